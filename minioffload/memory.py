@@ -1,0 +1,371 @@
+"""Byte accounting for training: where every byte of a model's training state lives.
+
+Three things, all pure bookkeeping (nothing here allocates real memory):
+
+* `footprint(precision, optimizer, placement)`: bytes per parameter on each tier (device, host,
+  nvme) for weights, gradients, master weights and optimizer state. Mixed-precision Adam gives the
+  classic 2 + 2 + 4 + 4 + 4 = 16 B/param of ZeRO (Rajbhandari et al., 2020).
+* `activation_bytes_per_layer(...)`: activation memory of one GPT block, from Korthikanti et al.,
+  "Reducing Activation Recomputation in Large Transformer Models" (2022).
+* `Ledger`: named tiers with capacities; allocate/free by name; an out-of-memory error like CUDA's
+  that says what to change; a history for memory-over-time plots.
+
+What this is not: a profiler. It counts what a plan says will be resident, not what an allocator
+does (no fragmentation, no CUDA context, no temporary buffers). Later chapters compare it with the
+real allocator.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+GiB = 1024**3
+GB = 1000**3
+
+PRECISIONS = ("fp32", "mixed_fp16", "mixed_bf16", "bf16")
+OPTIMIZERS = ("adam", "adamw", "sgd_momentum")
+PLACEMENTS = ("device", "optimizer_cpu", "optimizer_nvme", "params_cpu")
+TIERS = ("device", "host", "nvme")
+
+# Bytes per value of the weights the model computes with, per precision.
+_MODEL_BYTES = {"fp32": 4, "mixed_fp16": 2, "mixed_bf16": 2, "bf16": 2}
+# Bytes per value of what the optimizer updates (master weights) and keeps (its state).
+_MASTER_BYTES = {"fp32": 4, "mixed_fp16": 4, "mixed_bf16": 4, "bf16": 2}
+# How many state tensors of the parameter's size each optimizer keeps.
+_STATE_COUNT = {"adam": 2, "adamw": 2, "sgd_momentum": 1}
+_STATE_NAMES = {"adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq"),
+                "sgd_momentum": ("momentum",)}
+
+
+def _require(value: str, allowed: tuple[str, ...], what: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(map(repr, allowed))}")
+
+
+def _require_positive(value: float, what: str) -> None:
+    if not value > 0:  # also refuses NaN
+        raise ValueError(f"{what} must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One component of the training state: `bytes_per_param` bytes per parameter on `tier`."""
+
+    name: str  # "weights", "grads", "master", "exp_avg", ...
+    tier: str  # one of TIERS
+    bytes_per_param: int
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes per parameter of a training setup, split into parts and tiers."""
+
+    precision: str
+    optimizer: str
+    placement: str
+    parts: tuple[Part, ...]
+
+    def per_param(self, tier: str | None = None) -> int:
+        """Bytes per parameter on `tier`, or on all tiers together when `tier` is None."""
+        if tier is not None:
+            _require(tier, TIERS, "tier")
+        return sum(p.bytes_per_param for p in self.parts if tier is None or p.tier == tier)
+
+    def bytes(self, num_params: float, tier: str | None = None) -> int:
+        """Total bytes for a model of `num_params` parameters (on one tier, or on all)."""
+        _require_positive(num_params, "num_params")
+        return int(round(num_params)) * self.per_param(tier)
+
+    def by_tier(self) -> dict[str, int]:
+        return {tier: self.per_param(tier) for tier in TIERS}
+
+    def table(self) -> str:
+        """A small text table: one row per part, then the total per tier."""
+        lines = [f"{'part':<12}{'tier':<8}{'B/param':>8}"]
+        lines += [f"{p.name:<12}{p.tier:<8}{p.bytes_per_param:>8}" for p in self.parts]
+        lines.append("-" * 28)
+        lines += [f"{'total':<12}{t:<8}{b:>8}" for t, b in self.by_tier().items() if b]
+        return "\n".join(lines)
+
+
+def footprint(precision: str = "mixed_bf16", optimizer: str = "adam", placement: str = "device") -> Footprint:
+    """Bytes per parameter of weights, grads, master weights and optimizer state, per tier.
+
+    precision: "fp32" (everything fp32), "mixed_fp16"/"mixed_bf16" (16-bit weights and grads, fp32
+        master weights and state), "bf16" (everything bf16, no master copy).
+    optimizer: "adam"/"adamw" (two states) or "sgd_momentum" (one).
+    placement:
+        "device"         everything on the GPU;
+        "optimizer_cpu"  ZeRO-Offload: the GPU keeps the 16-bit weights only; gradients, master
+                         weights and state live in host memory, and the update runs on the CPU;
+        "optimizer_nvme" ZeRO-Infinity for the optimizer: as above, but master weights and state on
+                         NVMe (host memory holds the gradients that stream through);
+        "params_cpu"     the weights live in host memory too and are streamed to the GPU layer by
+                         layer: nothing is resident per parameter on the device (a working set of a
+                         few layers is, which this per-parameter count leaves out).
+
+    The "master" part is the copy of the weights the optimizer updates. It is absent when the model
+    already computes in the optimizer's dtype on the same tier (fp32 or bf16 on the device).
+    """
+    _require(precision, PRECISIONS, "precision")
+    _require(optimizer, OPTIMIZERS, "optimizer")
+    _require(placement, PLACEMENTS, "placement")
+
+    model_b, master_b = _MODEL_BYTES[precision], _MASTER_BYTES[precision]
+    weights_tier = "host" if placement == "params_cpu" else "device"
+    grads_tier = "device" if placement == "device" else "host"
+    state_tier = {"device": "device", "optimizer_cpu": "host",
+                  "optimizer_nvme": "nvme", "params_cpu": "host"}[placement]
+
+    parts = [Part("weights", weights_tier, model_b), Part("grads", grads_tier, model_b)]
+    needs_master = model_b != master_b or state_tier != weights_tier
+    if needs_master:
+        parts.append(Part("master", state_tier, master_b))
+    parts += [Part(name, state_tier, master_b) for name in _STATE_NAMES[optimizer]]
+    assert len(_STATE_NAMES[optimizer]) == _STATE_COUNT[optimizer]
+    return Footprint(precision, optimizer, placement, tuple(parts))
+
+
+def max_params_that_fit(capacity_bytes: float, fp: Footprint, tier: str = "device") -> float:
+    """The largest parameter count whose per-parameter state on `tier` fits in `capacity_bytes`.
+
+    Returns infinity when the placement keeps nothing per parameter on that tier.
+    """
+    _require_positive(capacity_bytes, "capacity_bytes")
+    per_param = fp.per_param(tier)
+    return float("inf") if per_param == 0 else capacity_bytes / per_param
+
+
+def activation_bytes_per_layer(
+    seq_len: int,
+    batch_size: int,
+    hidden: int,
+    num_heads: int,
+    checkpointing: bool = False,
+    flash_attention: bool = False,
+) -> int:
+    """Bytes of activations one GPT block keeps for its backward pass (16-bit activations).
+
+    From Korthikanti et al. 2022, eq. (1), one device, no tensor or sequence parallelism:
+
+        s*b*h * (34 + 5*a*s/h)      = 34*s*b*h + 5*a*s^2*b
+
+    with s = seq_len, b = batch_size, h = hidden, a = num_heads. The 34*s*b*h term counts the
+    inputs kept by the QKV, attention-output and MLP matmuls, the GeLU, both layer norms and the
+    1-byte dropout masks; the 5*a*s^2*b term counts the softmax output, its dropout mask and the
+    dropped-out scores (2 + 1 + 2 bytes per attention score).
+
+    flash_attention: a fused attention kernel recomputes the scores in backward, so the a*s^2
+        term disappears (it keeps O(s) softmax statistics instead, ignored here).
+    checkpointing: full activation checkpointing keeps only the block's input, 2*s*b*h bytes,
+        and recomputes the rest during backward.
+    """
+    for value, what in ((seq_len, "seq_len"), (batch_size, "batch_size"), (hidden, "hidden"),
+                        (num_heads, "num_heads")):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    if hidden % num_heads:
+        raise ValueError(f"hidden ({hidden}) must be divisible by num_heads ({num_heads})")
+    s, b, h, a = seq_len, batch_size, hidden, num_heads
+    if checkpointing:
+        return 2 * s * b * h
+    attention_scores = 0 if flash_attention else 5 * a * s * s * b
+    return 34 * s * b * h + attention_scores
+
+
+# ---------------------------------------------------------------------------------------------
+# Ledger
+
+
+class OutOfMemoryError(MemoryError):
+    """An allocation that does not fit its tier. Like CUDA's OOM, it says what was asked and free."""
+
+    def __init__(self, tier: str, name: str, requested: int, free: int, capacity: int, largest: str):
+        self.tier, self.name, self.requested, self.free, self.capacity = tier, name, requested, free, capacity
+        msg = (f"cannot allocate {format_bytes(requested)} for {name!r} on {tier!r}: "
+               f"{format_bytes(free)} free of {format_bytes(capacity)}")
+        if largest:
+            msg += f" (largest holder: {largest})"
+        msg += (f". Free something on {tier!r} first, give {tier!r} a larger capacity, "
+                f"or place {name!r} on another tier.")
+        super().__init__(msg)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One change of a tier's usage, for memory-over-time plots."""
+
+    time: float
+    tier: str
+    name: str
+    delta: int  # bytes, + for allocate, - for free
+    used: int  # bytes in use on the tier after the change
+
+
+@dataclass(frozen=True)
+class Allocation:
+    name: str
+    tier: str
+    nbytes: int
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB'. Binary units, as allocators and nvidia-smi report them."""
+    for unit, size in (("TiB", 1024**4), ("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+class Ledger:
+    """Named tiers with capacities; allocations by name; a history of every change.
+
+    >>> ledger = Ledger({"device": 80 * GiB, "host": 512 * GiB, "nvme": None})
+    >>> ledger.allocate("weights", "device", 14 * GiB)
+    >>> ledger.free_bytes("device") == 66 * GiB
+    True
+
+    A capacity of None means unbounded. Every refused call raises before changing anything.
+    Thread-safe: later chapters allocate from stream worker threads.
+    """
+
+    def __init__(self, capacities: dict[str, int | None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self._capacity: dict[str, int | None] = {}
+        self._used: dict[str, int] = {}
+        self._peak: dict[str, int] = {}
+        self._allocations: dict[str, Allocation] = {}
+        self._history: list[Event] = []
+        self._clock = clock
+        self._lock = threading.Lock()
+        for tier, capacity in (capacities or {}).items():
+            self.add_tier(tier, capacity)
+
+    # tiers ------------------------------------------------------------------------------------
+    def add_tier(self, tier: str, capacity: int | None) -> None:
+        if not isinstance(tier, str) or not tier:
+            raise ValueError(f"a tier needs a non-empty string name, got {tier!r}")
+        if capacity is not None:
+            _require_positive(capacity, f"capacity of tier {tier!r}")
+        with self._lock:
+            if tier in self._capacity:
+                raise ValueError(f"tier {tier!r} exists already; tiers are {self.tiers}")
+            self._capacity[tier] = None if capacity is None else int(capacity)
+            self._used[tier] = self._peak[tier] = 0
+
+    @property
+    def tiers(self) -> list[str]:
+        return list(self._capacity)
+
+    def _check_tier(self, tier: str) -> None:
+        if tier not in self._capacity:
+            raise ValueError(f"unknown tier {tier!r}; this ledger has {self.tiers} (add_tier to add one)")
+
+    def capacity(self, tier: str) -> int | None:
+        self._check_tier(tier)
+        return self._capacity[tier]
+
+    def used(self, tier: str) -> int:
+        self._check_tier(tier)
+        return self._used[tier]
+
+    def peak(self, tier: str) -> int:
+        self._check_tier(tier)
+        return self._peak[tier]
+
+    def free_bytes(self, tier: str) -> int | None:
+        """Bytes still free on `tier` (None when unbounded)."""
+        self._check_tier(tier)
+        capacity = self._capacity[tier]
+        return None if capacity is None else capacity - self._used[tier]
+
+    # allocations ------------------------------------------------------------------------------
+    def allocate(self, name: str, tier: str, nbytes: int) -> None:
+        """Record `nbytes` on `tier` under `name`; OutOfMemoryError if it does not fit."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an allocation needs a non-empty string name, got {name!r}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"nbytes must be a positive integer, got {nbytes!r} for {name!r}")
+        with self._lock:
+            self._check_tier(tier)
+            if name in self._allocations:
+                held = self._allocations[name]
+                raise ValueError(f"{name!r} is allocated already ({format_bytes(held.nbytes)} on "
+                                 f"{held.tier!r}); free it first or choose another name")
+            capacity = self._capacity[tier]
+            if capacity is not None and self._used[tier] + nbytes > capacity:
+                holders = [a for a in self._allocations.values() if a.tier == tier]
+                largest = max(holders, key=lambda a: a.nbytes, default=None)
+                raise OutOfMemoryError(
+                    tier, name, nbytes, capacity - self._used[tier], capacity,
+                    f"{largest.name!r} {format_bytes(largest.nbytes)}" if largest else "")
+            self._allocations[name] = Allocation(name, tier, nbytes)
+            self._record(tier, name, nbytes)
+
+    def free(self, name: str) -> None:
+        with self._lock:
+            if name not in self._allocations:
+                known = ", ".join(map(repr, self._allocations)) or "nothing"
+                raise ValueError(f"cannot free {name!r}: it was never allocated (or is freed already); "
+                                 f"allocated now: {known}")
+            alloc = self._allocations.pop(name)
+            self._record(alloc.tier, name, -alloc.nbytes)
+
+    def _record(self, tier: str, name: str, delta: int) -> None:
+        self._used[tier] += delta
+        self._peak[tier] = max(self._peak[tier], self._used[tier])
+        self._history.append(Event(self._clock(), tier, name, delta, self._used[tier]))
+
+    @property
+    def allocations(self) -> dict[str, Allocation]:
+        return dict(self._allocations)
+
+    @property
+    def history(self) -> list[Event]:
+        return list(self._history)
+
+    def summary(self) -> str:
+        """One line per tier: used / capacity (peak)."""
+        rows = []
+        for tier, capacity in self._capacity.items():
+            cap = "unbounded" if capacity is None else format_bytes(capacity)
+            rows.append(f"{tier:<8} {format_bytes(self._used[tier]):>11} used of {cap:>11}"
+                        f"  (peak {format_bytes(self._peak[tier])})")
+        return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference sizes used by chapter 1 (parameter counts; GPU memory as sold, in decimal GB)
+
+MODELS = {
+    "GPT-2 124M": 124e6,
+    "GPT-2 1.5B": 1.5e9,
+    "GPT-3 6.7B": 6.7e9,
+    "GPT-3 13B": 13e9,
+    "GPT-3 30B": 30e9,
+    "GPT-3 66B": 66e9,
+    "GPT-3 175B": 175e9,
+}
+GPUS = {"H100 80 GB": 80 * GB, "H200 141 GB": 141 * GB}
+
+
+def first_placement_that_fits(num_params: float, device_bytes: float, precision: str = "mixed_bf16",
+                              optimizer: str = "adam", host_bytes: float | None = None) -> str | None:
+    """The least offloaded placement (in PLACEMENTS order) whose resident state fits.
+
+    Counts per-parameter state only (no activations, no working set). `host_bytes=None` means host
+    memory is not a constraint; NVMe is taken as unbounded. None when nothing fits.
+    """
+    _require_positive(device_bytes, "device_bytes")
+    if host_bytes is not None:
+        _require_positive(host_bytes, "host_bytes")
+    for placement in PLACEMENTS:
+        fp = footprint(precision, optimizer, placement)
+        fits_device = fp.bytes(num_params, "device") <= device_bytes
+        fits_host = host_bytes is None or fp.bytes(num_params, "host") <= host_bytes
+        if fits_device and fits_host:
+            return placement
+    return None

@@ -1,0 +1,47 @@
+"""Interactive wrappers over the figure functions in `minioffload.viz`.
+
+Thin on purpose: each widget only maps controls to a pure figure function's arguments, so the
+static book shows the same figure and tests call the function, not the widget.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
+from IPython.display import display
+
+from .memory import GB, OPTIMIZERS, PLACEMENTS, PRECISIONS
+from .viz import footprint_figure
+
+
+def footprint_explorer(num_params: float = 7e9, gpu_gb: float = 80) -> widgets.VBox:
+    """Sliders and menus over `footprint_figure`: parameters (log scale), precision, optimizer,
+    placement and GPU memory."""
+    controls = {
+        "log10_params": widgets.FloatSlider(value=round(math.log10(num_params), 2), min=8, max=12,
+                                            step=0.05, description="log10 params", continuous_update=False),
+        "precision": widgets.Dropdown(options=PRECISIONS, value="mixed_bf16", description="precision"),
+        "optimizer": widgets.Dropdown(options=OPTIMIZERS, value="adam", description="optimizer"),
+        "placement": widgets.Dropdown(options=PLACEMENTS, value="device", description="placement"),
+        "gpu_gb": widgets.FloatSlider(value=gpu_gb, min=8, max=192, step=1, description="GPU GB",
+                                      continuous_update=False),
+    }
+    out = widgets.Output()
+
+    def redraw(_change=None) -> None:
+        values = {name: control.value for name, control in controls.items()}
+        with out:
+            out.clear_output(wait=True)
+            fig = footprint_figure(10 ** values["log10_params"], values["precision"], values["optimizer"],
+                                   values["placement"], values["gpu_gb"] * GB)
+            display(fig)
+            plt.close(fig)
+
+    for control in controls.values():
+        control.observe(redraw, names="value")
+    redraw()
+    return widgets.VBox([widgets.HBox([controls["log10_params"], controls["gpu_gb"]]),
+                         widgets.HBox([controls["precision"], controls["optimizer"], controls["placement"]]),
+                         out])

@@ -7,21 +7,24 @@ static book shows the same figure and tests call the function, not the widget.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
 from IPython.display import display
+from matplotlib.figure import Figure
 
 from .memory import GB, OPTIMIZERS, PLACEMENTS, PRECISIONS
 from .viz import footprint_figure
 
 
-def footprint_explorer(num_params: float = 7e9, gpu_gb: float = 80) -> widgets.VBox:
-    """Sliders and menus over `footprint_figure`: parameters (log scale), precision, optimizer,
-    placement and GPU memory."""
+def footprint_explorer(num_params: float = 7e9, gpu_gb: float = 80,
+                       draw: Callable[..., Figure] = footprint_figure) -> widgets.VBox:
+    """Sliders and menus over `footprint_figure` (or `draw`, same signature): parameters (log scale),
+    precision, optimizer, placement and GPU memory."""
     controls = {
         "log10_params": widgets.FloatSlider(value=round(math.log10(num_params), 2), min=8, max=12,
-                                            step=0.05, description="log10 params", continuous_update=False),
+                                            step=0.01, description="log10 params", continuous_update=False),
         "precision": widgets.Dropdown(options=PRECISIONS, value="mixed_bf16", description="precision"),
         "optimizer": widgets.Dropdown(options=OPTIMIZERS, value="adam", description="optimizer"),
         "placement": widgets.Dropdown(options=PLACEMENTS, value="device", description="placement"),
@@ -34,7 +37,7 @@ def footprint_explorer(num_params: float = 7e9, gpu_gb: float = 80) -> widgets.V
         values = {name: control.value for name, control in controls.items()}
         with out:
             out.clear_output(wait=True)
-            fig = footprint_figure(10 ** values["log10_params"], values["precision"], values["optimizer"],
+            fig = draw(10 ** values["log10_params"], values["precision"], values["optimizer"],
                                    values["placement"], values["gpu_gb"] * GB)
             display(fig)
             plt.close(fig)

@@ -79,7 +79,7 @@ def fit_grid(models: dict[str, float], gpus: dict[str, float], precision: str = 
     gpu_names = sorted(gpus, key=gpus.get)
     fig, ax = plt.subplots(figsize=(7.2, 0.45 * len(models) + 1.4))
     palette = ["#9BD39B", "#F3D77C", "#EE9A9A"]  # fits the smallest GPU, a larger one, none
-    for row, (model, n) in enumerate(models.items()):
+    for row, n in enumerate(models.values()):
         for col, placement in enumerate(PLACEMENTS):
             device_gb = footprint(precision, optimizer, placement).bytes(n, "device") / GB
             fits = [g for g in gpu_names if device_gb * GB <= gpus[g]]
@@ -92,8 +92,10 @@ def fit_grid(models: dict[str, float], gpus: dict[str, float], precision: str = 
     ax.set_yticks(np.arange(len(models)) + 0.5, list(models), fontsize=8)
     ax.tick_params(length=0)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in palette]
-    labels = [f"fits {gpu_names[0]}", f"fits {gpu_names[-1]} only" if len(gpu_names) > 1 else "-", "fits none"]
-    ax.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3, frameon=False)
+    labels = [f"fits {gpu_names[0]}", f"fits {gpu_names[-1]} only" if len(gpu_names) > 1 else "-",
+              "fits none"]
+    ax.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3,
+              frameon=False)
     ax.set_title(f"Per-parameter state resident on the GPU ({precision}, {optimizer})", fontsize=10)
     fig.tight_layout()
     return fig

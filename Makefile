@@ -1,0 +1,65 @@
+# Two commands set everything up and run it: `make book` and `make test`. `make lab` opens JupyterLab.
+# Everything is installed by these rules into .venv (Python) and tools/vendor (npm), nothing by hand.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CPU build by default (a CPU-only machine takes the local 2.13.0 wheel). GPU users: see README.
+TORCH_SPEC ?= torch==2.13.0
+VENV_STAMP := $(VENV)/.installed
+VENDOR_STAMP := book/_vendor/.installed
+
+export NUMBA_CACHE_DIR := $(CURDIR)/.cache/numba
+export JUPYTER_PLATFORM_DIRS := 1
+export PYDEVD_DISABLE_FILE_VALIDATION := 1
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+
+NBVAL := $(BIN)/python -m pytest -p no:cacheprovider --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
+NOTEBOOKS := book/chapters exercises/solutions
+
+.PHONY: book test lab labs lint bench clean
+
+$(VENV_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[book,dev]"
+	touch $@
+
+# The static book serves require.js, the widget manager and MathJax itself (no CDN at read time).
+$(VENDOR_STAMP): tools/vendor/package.json tools/vendor/package-lock.json
+	cd tools/vendor && npm ci --no-audit --no-fund --loglevel=error
+	rm -rf book/_vendor && mkdir -p book/_vendor/html-manager book/_vendor/mathjax
+	cp tools/vendor/node_modules/requirejs/require.js book/_vendor/require.min.js
+	cp -r tools/vendor/node_modules/@jupyter-widgets/html-manager/dist/. book/_vendor/html-manager/
+	cp -r tools/vendor/node_modules/mathjax/es5/. book/_vendor/mathjax/
+	rm -f book/_vendor/html-manager/*.map
+	touch $@
+
+book: $(VENV_STAMP) $(VENDOR_STAMP)
+	$(BIN)/jupyter-book build book --warningiserror --keep-going
+	@echo "The book: $(CURDIR)/book/_build/html/index.html"
+
+# Student copies of the labs, generated from exercises/solutions.
+labs: $(VENV_STAMP)
+	$(BIN)/python tools/make_student_labs.py
+
+lint: $(VENV_STAMP)
+	$(BIN)/ruff check .
+
+test: $(VENV_STAMP) $(VENDOR_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -p no:cacheprovider -m "not book_html" tests
+	$(NBVAL) $(NOTEBOOKS)
+	$(MAKE) --no-print-directory book
+	$(BIN)/python -m pytest -p no:cacheprovider -m book_html tests
+
+lab: $(VENV_STAMP)
+	$(BIN)/jupyter lab --ip=127.0.0.1 --notebook-dir=. $(if $(filter 0,$(shell id -u)),--allow-root,)
+
+bench: $(VENV_STAMP)
+	@ls bench/*.py >/dev/null 2>&1 && for b in bench/*.py; do $(BIN)/python $$b || exit 1; done \
+		|| echo "no benchmarks yet"
+
+clean:
+	rm -rf book/_build book/_vendor .cache

@@ -1,0 +1,204 @@
+"""Byte accounting: the footprint table, the activation formula, and the Ledger."""
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minioffload import memory
+from minioffload.memory import GB, GiB, Ledger, OutOfMemoryError, footprint
+
+# (precision, optimizer, placement) -> bytes per param on (device, host, nvme), worked out by hand.
+EXPECTED = {
+    ("mixed_bf16", "adam", "device"): (16, 0, 0),  # 2 + 2 + 4 + 4 + 4, ZeRO's figure
+    ("mixed_fp16", "adamw", "device"): (16, 0, 0),
+    ("mixed_bf16", "adam", "optimizer_cpu"): (2, 14, 0),  # ZeRO-Offload: 2 B/param on the GPU
+    ("mixed_bf16", "adam", "optimizer_nvme"): (2, 2, 12),
+    ("mixed_bf16", "adam", "params_cpu"): (0, 16, 0),
+    ("fp32", "adam", "device"): (16, 0, 0),  # 4 + 4 + 4 + 4, no master copy
+    ("fp32", "adam", "optimizer_cpu"): (4, 16, 0),  # the host needs its own fp32 copy to update
+    ("fp32", "sgd_momentum", "device"): (12, 0, 0),
+    ("bf16", "adam", "device"): (8, 0, 0),
+    ("bf16", "sgd_momentum", "optimizer_cpu"): (2, 6, 0),
+    ("mixed_fp16", "sgd_momentum", "device"): (12, 0, 0),
+}
+
+
+@pytest.mark.parametrize("setup", EXPECTED)
+def test_footprint_matches_the_hand_worked_table(setup):
+    fp = footprint(*setup)
+    assert tuple(fp.by_tier().values()) == EXPECTED[setup]
+    assert fp.per_param() == sum(EXPECTED[setup])
+
+
+def test_mixed_precision_adam_is_sixteen_bytes_in_zero_order():
+    fp = footprint("mixed_fp16", "adam", "device")
+    assert [(p.name, p.bytes_per_param) for p in fp.parts] == [
+        ("weights", 2), ("grads", 2), ("master", 4), ("exp_avg", 4), ("exp_avg_sq", 4)]
+    assert fp.bytes(7e9) == 112 * GB
+    assert "total       device        16" in fp.table()
+
+
+def test_offloading_never_changes_a_setups_total_by_more_than_one_master_copy():
+    for precision in memory.PRECISIONS:
+        for optimizer in memory.OPTIMIZERS:
+            on_device = footprint(precision, optimizer, "device").per_param()
+            for placement in memory.PLACEMENTS:
+                extra = footprint(precision, optimizer, placement).per_param() - on_device
+                assert extra in (0, memory._MASTER_BYTES[precision]), (precision, optimizer, placement)
+
+
+def test_footprint_matches_what_torch_adam_allocates():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, 64)).square().mean().backward()
+    opt.step()
+    num_params = sum(p.numel() for p in model.parameters())
+    weights_and_grads = sum(p.nbytes + p.grad.nbytes for p in model.parameters())
+    # optimizer.state holds exp_avg and exp_avg_sq per parameter, plus a scalar `step` we do not count.
+    state = sum(t.nbytes for s in opt.state.values() for k, t in s.items() if k != "step")
+    assert weights_and_grads + state == footprint("fp32", "adam", "device").bytes(num_params)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(precision="fp8"), dict(optimizer="lion"), dict(placement="gpu"), dict(precision="FP32"),
+])
+def test_unknown_names_are_refused_with_the_allowed_values(bad):
+    with pytest.raises(ValueError, match="choose one of"):
+        footprint(**bad)
+
+
+@pytest.mark.parametrize("num_params", [0, -5, float("nan")])
+def test_non_positive_sizes_are_refused(num_params):
+    with pytest.raises(ValueError, match="num_params must be a positive number"):
+        footprint().bytes(num_params)
+    with pytest.raises(ValueError, match="positive"):
+        memory.max_params_that_fit(num_params, footprint())
+
+
+def test_max_params_and_first_placement():
+    assert memory.max_params_that_fit(80 * GB, footprint()) == 5e9
+    assert memory.max_params_that_fit(80 * GB, footprint(placement="params_cpu")) == float("inf")
+    assert memory.first_placement_that_fits(1e9, 80 * GB) == "device"
+    assert memory.first_placement_that_fits(13e9, 80 * GB) == "optimizer_cpu"
+    assert memory.first_placement_that_fits(13e9, 80 * GB, host_bytes=100 * GB) == "optimizer_nvme"
+    assert memory.first_placement_that_fits(175e9, 141 * GB) == "params_cpu"
+    assert memory.first_placement_that_fits(175e9, 141 * GB, host_bytes=512 * GB) is None
+
+
+def test_activation_formula_of_korthikanti_et_al():
+    s, b, h, a = 2048, 4, 4096, 32
+    assert memory.activation_bytes_per_layer(s, b, h, a) == s * b * h * (34 + 5 * a * s // h)
+    assert memory.activation_bytes_per_layer(s, b, h, a, flash_attention=True) == 34 * s * b * h
+    assert memory.activation_bytes_per_layer(s, b, h, a, checkpointing=True) == 2 * s * b * h
+
+
+@pytest.mark.parametrize("args", [(0, 1, 64, 1), (8, -1, 64, 1), (8, 1, 64.0, 1), (8, 1, 64, 5)])
+def test_activation_bad_shapes_are_refused(args):
+    with pytest.raises(ValueError, match="positive integer|divisible"):
+        memory.activation_bytes_per_layer(*args)
+
+
+# --- Ledger ---------------------------------------------------------------------------------------
+
+def make_ledger():
+    ticks = iter(range(10**6))
+    return Ledger({"device": 80 * GiB, "host": 512 * GiB, "nvme": None}, clock=lambda: float(next(ticks)))
+
+
+def state(ledger):
+    return ({t: ledger.used(t) for t in ledger.tiers}, {t: ledger.peak(t) for t in ledger.tiers},
+            ledger.allocations, ledger.history)
+
+
+def test_allocate_free_peak_and_history():
+    ledger = make_ledger()
+    ledger.allocate("weights", "device", 14 * GiB)
+    ledger.allocate("grads", "device", 14 * GiB)
+    ledger.free("grads")
+    ledger.allocate("state", "nvme", 10**15)
+    assert ledger.used("device") == 14 * GiB and ledger.peak("device") == 28 * GiB
+    assert ledger.free_bytes("device") == 66 * GiB and ledger.free_bytes("nvme") is None
+    assert [(e.time, e.name, e.delta, e.used) for e in ledger.history if e.tier == "device"] == [
+        (0.0, "weights", 14 * GiB, 14 * GiB), (1.0, "grads", 14 * GiB, 28 * GiB),
+        (2.0, "grads", -14 * GiB, 14 * GiB)]
+    assert "device" in ledger.summary() and "unbounded" in ledger.summary()
+
+
+def test_out_of_memory_says_what_was_asked_what_is_free_and_what_to_change():
+    ledger = make_ledger()
+    ledger.allocate("weights", "device", 70 * GiB)
+    before = state(ledger)
+    with pytest.raises(OutOfMemoryError) as err:
+        ledger.allocate("exp_avg", "device", 28 * GiB)
+    message = str(err.value)
+    for needle in ("28.00 GiB", "'exp_avg'", "'device'", "10.00 GiB free of 80.00 GiB",
+                   "largest holder: 'weights' 70.00 GiB", "another tier"):
+        assert needle in message
+    assert isinstance(err.value, MemoryError) and err.value.requested == 28 * GiB
+    assert state(ledger) == before
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda L: L.allocate("x", "gpu", 1), "unknown tier 'gpu'"),
+    (lambda L: L.allocate("x", "device", 0), "positive integer"),
+    (lambda L: L.allocate("x", "device", -1), "positive integer"),
+    (lambda L: L.allocate("x", "device", 1.5), "positive integer"),
+    (lambda L: L.allocate("", "device", 1), "non-empty"),
+    (lambda L: L.allocate("weights", "host", 1), "allocated already"),
+    (lambda L: L.free("never"), "never allocated"),
+    (lambda L: L.add_tier("device", 1), "exists already"),
+    (lambda L: L.add_tier("hbm", 0), "positive"),
+    (lambda L: L.used("gpu"), "unknown tier"),
+])
+def test_refused_calls_raise_clearly_and_change_nothing(call, match):
+    ledger = make_ledger()
+    ledger.allocate("weights", "device", 1 * GiB)
+    before = state(ledger)
+    with pytest.raises(ValueError, match=match):
+        call(ledger)
+    assert state(ledger) == before
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free"]), st.integers(0, 5), st.integers(1, 40)),
+                max_size=40))
+def test_ledger_invariants_hold_for_any_sequence(ops):
+    ledger = Ledger({"device": 100})
+    live: dict[str, int] = {}
+    for op, key, size in ops:
+        name = f"t{key}"
+        try:
+            ledger.allocate(name, "device", size) if op == "alloc" else ledger.free(name)
+        except (ValueError, OutOfMemoryError):
+            continue
+        if op == "alloc":
+            live[name] = size
+        else:
+            del live[name]
+        assert ledger.used("device") == sum(live.values()) <= 100
+    assert ledger.peak("device") == max([0] + [e.used for e in ledger.history])
+
+
+def test_ledger_is_thread_safe():
+    ledger = Ledger({"device": 10**9})
+
+    def churn(worker):
+        for i in range(500):
+            ledger.allocate(f"{worker}-{i}", "device", 7)
+            ledger.free(f"{worker}-{i}")
+
+    threads = [threading.Thread(target=churn, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert ledger.used("device") == 0 and len(ledger.history) == 4000
+
+
+def test_format_bytes():
+    assert memory.format_bytes(1536) == "1.50 KiB"
+    assert memory.format_bytes(3 * GiB) == "3.00 GiB"
+    assert memory.format_bytes(12) == "12 B"

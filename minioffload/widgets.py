@@ -6,7 +6,6 @@ static book shows the same figure and tests call the function, not the widget.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import ipywidgets as widgets
@@ -23,8 +22,9 @@ def footprint_explorer(num_params: float = 7e9, gpu_gb: float = 80,
     """Sliders and menus over `footprint_figure` (or `draw`, same signature): parameters (log scale),
     precision, optimizer, placement and GPU memory."""
     controls = {
-        "log10_params": widgets.FloatSlider(value=round(math.log10(num_params), 2), min=8, max=12,
-                                            step=0.01, description="log10 params", continuous_update=False),
+        "num_params": widgets.FloatLogSlider(value=num_params, base=10, min=8, max=12, step=0.01,
+                                             description="parameters", readout_format=".3g",
+                                             continuous_update=False),
         "precision": widgets.Dropdown(options=PRECISIONS, value="mixed_bf16", description="precision"),
         "optimizer": widgets.Dropdown(options=OPTIMIZERS, value="adam", description="optimizer"),
         "placement": widgets.Dropdown(options=PLACEMENTS, value="device", description="placement"),
@@ -37,7 +37,7 @@ def footprint_explorer(num_params: float = 7e9, gpu_gb: float = 80,
         values = {name: control.value for name, control in controls.items()}
         with out:
             out.clear_output(wait=True)
-            fig = draw(10 ** values["log10_params"], values["precision"], values["optimizer"],
+            fig = draw(values["num_params"], values["precision"], values["optimizer"],
                                    values["placement"], values["gpu_gb"] * GB)
             display(fig)
             plt.close(fig)
@@ -45,6 +45,6 @@ def footprint_explorer(num_params: float = 7e9, gpu_gb: float = 80,
     for control in controls.values():
         control.observe(redraw, names="value")
     redraw()
-    return widgets.VBox([widgets.HBox([controls["log10_params"], controls["gpu_gb"]]),
+    return widgets.VBox([widgets.HBox([controls["num_params"], controls["gpu_gb"]]),
                          widgets.HBox([controls["precision"], controls["optimizer"], controls["placement"]]),
                          out])

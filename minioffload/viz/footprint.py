@@ -92,8 +92,8 @@ def fit_grid(models: dict[str, float], gpus: dict[str, float], precision: str = 
     ax.set_yticks(np.arange(len(models)) + 0.5, list(models), fontsize=8)
     ax.tick_params(length=0)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in palette]
-    labels = [f"fits {gpu_names[0]}", f"fits {gpu_names[-1]} only" if len(gpu_names) > 1 else "-",
-              "fits none"]
+    larger = gpu_names[-1] if len(gpu_names) == 2 else "a larger GPU"
+    labels = [f"fits {gpu_names[0]}", f"fits {larger} only", "fits none"]
     ax.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3,
               frameon=False)
     ax.set_title(f"Per-parameter state resident on the GPU ({precision}, {optimizer})", fontsize=10)

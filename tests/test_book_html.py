@@ -1,0 +1,52 @@
+"""The built book (`make book` first): it loads nothing from the network and shows what it executed.
+
+Deselected by default (see pyproject.toml); `make test` runs it after building the book.
+"""
+
+from pathlib import Path
+
+import pytest
+from bs4 import BeautifulSoup
+
+pytestmark = pytest.mark.book_html
+
+HTML = Path(__file__).resolve().parents[1] / "book" / "_build" / "html"
+PAGES = sorted(HTML.rglob("*.html")) if HTML.exists() else []
+EXTERNAL = ("http://", "https://", "//")
+
+
+def soup(path: Path) -> BeautifulSoup:
+    return BeautifulSoup(path.read_text(), "html.parser")
+
+
+def test_the_book_is_built():
+    assert (HTML / "index.html").exists(), "book/_build/html/index.html is missing: run `make book` first"
+    assert (HTML / "chapters" / "01_memory_wall.html").exists()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(HTML)))
+def test_no_page_loads_a_script_or_stylesheet_from_the_network(page):
+    doc = soup(page)
+    external = [tag["src"] for tag in doc.find_all("script", src=True) if tag["src"].startswith(EXTERNAL)]
+    external += [tag["href"] for tag in doc.find_all("link", href=True)
+                 if tag["href"].startswith(EXTERNAL) and "stylesheet" in (tag.get("rel") or [])]
+    assert not external, f"{page.name} loads {external}"
+
+
+def test_widgets_and_mathjax_come_from_the_book_itself():
+    page = HTML / "chapters" / "01_memory_wall.html"
+    doc = soup(page)
+    sources = [tag["src"].split("?")[0] for tag in doc.find_all("script", src=True)]
+    for needed in ("require.min.js", "html-manager/embed-amd.js", "mathjax/tex-chtml.js"):
+        local = [s for s in sources if s.endswith(needed)]
+        assert local, f"{page.name} does not load {needed}"
+        assert (page.parent / local[0]).resolve().exists(), f"{local[0]} is not in the built book"
+    assert doc.find("script", type="application/vnd.jupyter.widget-state+json"), "widget state not saved"
+
+
+def test_chapter_one_shows_its_figures_and_check_verdicts():
+    doc = soup(HTML / "chapters" / "01_memory_wall.html")
+    assert len(doc.find_all("img")) >= 3
+    text = doc.get_text()
+    assert "PASS mixed-precision Adam" in text or "PASS" in text
+    assert "FAIL " not in text, "a check cell printed FAIL in the built book"

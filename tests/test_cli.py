@@ -1,0 +1,46 @@
+"""`python -m minioffload footprint`: the chapter 1 calculator on the command line."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from minioffload.__main__ import main, parse_count
+
+
+def test_footprint_prints_the_table_and_the_verdict(capsys):
+    assert main(["footprint", "--params", "7B", "--gpu-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "total       device        16" in out
+    assert re.search(r"device\s+112.0 GB", out)
+    assert "does NOT fit one 80 GB GPU" in out and "least offloaded placement that fits: optimizer_cpu" in out
+
+
+def test_footprint_with_offload_fits(capsys):
+    main(["footprint", "--params", "13b", "--placement", "optimizer_cpu"])
+    out = capsys.readouterr().out
+    assert re.search(r"host\s+182.0 GB", out) and "fits one 80 GB GPU (26.0 GB" in out
+
+
+@pytest.mark.parametrize("text, value", [("7B", 7e9), ("124M", 124e6), ("1.5e9", 1.5e9), (" 2t ", 2e12)])
+def test_parse_count(text, value):
+    assert parse_count(text) == value
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["footprint", "--params", "seven"], "not a positive parameter count"),
+    (["footprint", "--params", "0"], "not a positive parameter count"),
+    (["footprint", "--precision", "fp8"], "invalid choice: 'fp8'"),
+    (["footprint", "--gpu-gb", "-1"], "--gpu-gb must be positive"),
+])
+def test_bad_arguments_exit_2_with_a_reason(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_runs_as_a_module():
+    result = subprocess.run([sys.executable, "-m", "minioffload", "footprint", "--params", "124M"],
+                            capture_output=True, text=True, check=True)
+    assert "fits one 80 GB GPU" in result.stdout

@@ -32,12 +32,13 @@ def footprint_figure(num_params: float, precision: str = "mixed_bf16", optimizer
     ax.axhline(gpu_bytes / GB, color="black", ls="--", lw=1)
     ax.annotate(f"GPU {gpu_bytes / GB:.0f} GB", (2.45, gpu_bytes / GB), xytext=(0, 3),
                 textcoords="offset points", ha="right", fontsize=8)
+    ax.set_ylim(0, max(bottoms.max(), gpu_bytes / GB) * 1.12)
     device_total = bottoms[0]
     verdict = "fits" if device_total <= gpu_bytes / GB else "does NOT fit"
     ax.set_title(f"{num_params / 1e9:.3g}B params, {precision}, {optimizer}, {placement}: "
                  f"device {device_total:.0f} GB, {verdict}", fontsize=9)
     ax.set_ylabel("GB")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     fig.tight_layout()
     return fig
 

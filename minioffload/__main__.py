@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minioffload", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     fp = commands.add_parser("footprint", help="bytes per parameter and per tier, and whether it fits")
-    fp.add_argument("--params", type=parse_count, default=7e9, help="model size, e.g. 7B or 124M (default 7B)")
+    fp.add_argument("--params", type=parse_count, default=7e9,
+                    help="model size, e.g. 7B or 124M (default 7B)")
     fp.add_argument("--precision", choices=memory.PRECISIONS, default="mixed_bf16")
     fp.add_argument("--optimizer", choices=memory.OPTIMIZERS, default="adam")
     fp.add_argument("--placement", choices=memory.PLACEMENTS, default="device")

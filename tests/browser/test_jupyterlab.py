@@ -1,0 +1,138 @@
+"""A learner's path through JupyterLab: open Chapter 1 and Lab 1, Run All, read the verdicts.
+
+JupyterLab is served on 127.0.0.1 and driven by Playwright with Debian's Chromium
+(/usr/bin/chromium; never a browser Playwright downloads). Without Chromium these tests skip, unless
+MINIOFFLOAD_REQUIRE_BROWSER=1 (as in CI), where a missing browser is a failure.
+Screenshots go to .cache/browser/ for a person to look at.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = "/usr/bin/chromium"
+SHOTS = ROOT / ".cache" / "browser"
+
+pytestmark = pytest.mark.browser
+
+if not Path(CHROMIUM).exists():
+    if os.environ.get("MINIOFFLOAD_REQUIRE_BROWSER") == "1":
+        raise RuntimeError(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install chromium)")
+    pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium)", allow_module_level=True)
+
+sync_api = pytest.importorskip("playwright.sync_api")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server over a scratch copy of the notebooks (running them must not touch the repo)."""
+    work = tmp_path_factory.mktemp("lab")
+    shutil.copy(ROOT / "book" / "chapters" / "01_memory_wall.ipynb", work)
+    shutil.copy(ROOT / "exercises" / "lab01_memory.ipynb", work)
+    # JupyterLab 4 renders only the cells in view; render them all so every output is in the page.
+    settings = work / "settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True)
+    (settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
+    news = work / "settings" / "@jupyterlab" / "apputils-extension"  # no "get notified of news?" popup
+    news.mkdir(parents=True)
+    (news / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
+    port, token = free_port(), secrets.token_hex(16)
+    argv = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+            f"--IdentityProvider.token={token}", f"--notebook-dir={work}",
+            f"--LabApp.user_settings_dir={work / 'settings'}", f"--LabApp.workspaces_dir={work / 'ws'}",
+            "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    if os.geteuid() == 0:
+        argv.append("--allow-root")
+    log = open(work / "server.log", "w")  # noqa: SIM115  (closed below)
+    server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=work)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError(
+                    f"JupyterLab did not start:\n{(work / 'server.log').read_text()[-3000:]}") from None
+            time.sleep(0.5)
+    yield base, token
+    server.terminate()
+    try:
+        server.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.kill()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run"])
+        yield chromium
+        chromium.close()
+
+
+def run_all(browser, lab, notebook: str, last_line: str) -> tuple[list[str], object]:
+    """Open `notebook`, wait for an idle kernel, Run All, wait for `last_line`; return output lines."""
+    base, token = lab
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    # a workspace of its own, so tabs a previous test opened are not restored here
+    page.goto(f"{base}/lab/workspaces/{Path(notebook).stem}/tree/{notebook}?reset&token={token}")
+    # the kernel is up: the status bar reads "Python 3 (ipykernel) | Idle"
+    page.locator(".jp-StatusBar-Widget", has_text=re.compile(r"\|\s*Idle")).first.wait_for(timeout=90_000)
+    page.locator(".jp-Notebook").first.click()  # focus the notebook, not the file browser
+    page.get_by_role("menuitem", name="Run").first.click()
+    page.get_by_text("Run All Cells", exact=True).click()
+    page.locator(".jp-OutputArea-output", has_text=last_line).first.wait_for(timeout=180_000)
+    outputs = page.locator(".jp-OutputArea-output pre").all_inner_texts()
+    lines = [line for text in outputs for line in text.splitlines()]
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{Path(notebook).stem}.png"))
+    return lines, page
+
+
+def test_chapter_one_runs_in_jupyterlab_and_every_check_passes(browser, lab):
+    lines, page = run_all(browser, lab, "01_memory_wall.ipynb", "PASS torch Adam")
+    verdicts = [line for line in lines if line.startswith(("PASS ", "FAIL "))]
+    assert len(verdicts) >= 7 and all(v.startswith("PASS ") for v in verdicts), verdicts
+    assert page.locator('[data-mime-type="application/vnd.jupyter.error"]').count() == 0, "a cell raised"
+    # the explorer widget is live: changing the placement redraws its figure
+    image = page.locator(".widget-output img").first
+    image.scroll_into_view_if_needed()
+    before = image.get_attribute("src")
+    page.locator(".widget-dropdown select").nth(2).select_option("optimizer_cpu")
+    page.wait_for_function(
+        "before => { const i = document.querySelector('.widget-output img');"
+        " return i !== null && i.getAttribute('src') !== before; }", arg=before, timeout=30_000)
+    page.screenshot(path=str(SHOTS / "01_memory_wall_widget.png"))
+    page.close()
+
+
+def test_lab_one_student_copy_says_todo_for_every_task(browser, lab):
+    lines, page = run_all(browser, lab, "lab01_memory.ipynb", "TODO Task 1.4")
+    verdicts = [line for line in lines if line.split(" ")[0] in ("PASS", "FAIL", "TODO")]
+    assert verdicts and all(v.startswith("TODO Task 1.") for v in verdicts), verdicts
+    assert len(verdicts) == 4
+    page.close()

@@ -61,3 +61,16 @@ def test_footprint_explorer_redraws_with_the_controls_values():
     gpu_gb.value = 141
     assert calls[-1][1:] == ("mixed_bf16", "adam", "optimizer_cpu", 141 * GB)
     assert len(calls) == 3
+
+
+def test_fit_grid_legend_with_three_gpus_does_not_claim_the_largest():
+    gpus = {"24 GB": 24 * GB, "80 GB": 80 * GB, "141 GB": 141 * GB}
+    fig = viz.fit_grid(memory.MODELS, gpus)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["fits 24 GB", "fits a larger GPU only", "fits none"]
+
+
+def test_footprint_figure_adds_activations_to_the_device():
+    fig = viz.footprint_figure(6.7e9, placement="optimizer_cpu", gpu_bytes=80 * GB, activation_bytes=73e9)
+    assert "device 86 GB, does NOT fit" in fig.axes[0].get_title()
+    assert "activations" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+MiB = 1024**2
 GiB = 1024**3
 GB = 1000**3
 

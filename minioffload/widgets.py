@@ -14,7 +14,8 @@ from IPython.display import display
 from matplotlib.figure import Figure
 
 from .memory import GB, OPTIMIZERS, PLACEMENTS, PRECISIONS
-from .viz import footprint_figure
+from .trace import Trace
+from .viz import footprint_figure, timeline
 
 
 def footprint_explorer(num_params: float = 7e9, gpu_gb: float = 80,
@@ -48,3 +49,30 @@ def footprint_explorer(num_params: float = 7e9, gpu_gb: float = 80,
     return widgets.VBox([widgets.HBox([controls["num_params"], controls["gpu_gb"]]),
                          widgets.HBox([controls["precision"], controls["optimizer"], controls["placement"]]),
                          out])
+
+
+def timeline_explorer(trace: Trace, draw: Callable[..., Figure] = timeline) -> widgets.VBox:
+    """A checkbox per lane and a zoom slider (ms) over `timeline` (or `draw`, called as
+    `draw(trace, lanes=[...], t_range=(t0, t1))` with seconds)."""
+    end_ms = max((s.end for s in trace.spans), default=0.0) * 1e3 or 1.0
+    toggles = {lane: widgets.Checkbox(value=True, description=lane, indent=False,
+                                      layout=widgets.Layout(width="auto"))
+               for lane in trace.lanes()}
+    zoom = widgets.FloatRangeSlider(value=(0.0, end_ms), min=0.0, max=end_ms, step=end_ms / 1000,
+                                    description="zoom (ms)", readout_format=".3g", continuous_update=False,
+                                    layout=widgets.Layout(width="95%"))
+    out = widgets.Output()
+
+    def redraw(_change=None) -> None:
+        lanes = [lane for lane, toggle in toggles.items() if toggle.value]
+        lo_ms, hi_ms = zoom.value
+        with out:
+            out.clear_output(wait=True)
+            fig = draw(trace, lanes=lanes, t_range=(lo_ms / 1e3, hi_ms / 1e3))
+            display(fig)
+            plt.close(fig)
+
+    for control in [*toggles.values(), zoom]:
+        control.observe(redraw, names="value")
+    redraw()
+    return widgets.VBox([widgets.HBox(list(toggles.values())), zoom, out])

@@ -1,5 +1,8 @@
 """Figures: pure functions that take data and return a matplotlib Figure (no display, no globals)."""
 
 from .footprint import fit_chart, fit_grid, footprint_figure
+from .memory_plot import memory_over_time, usage_series
+from .timeline import bandwidth_over_time, binned_bandwidth, timeline
 
-__all__ = ["fit_chart", "fit_grid", "footprint_figure"]
+__all__ = ["bandwidth_over_time", "binned_bandwidth", "fit_chart", "fit_grid", "footprint_figure",
+           "memory_over_time", "timeline", "usage_series"]

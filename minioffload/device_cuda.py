@@ -1,0 +1,161 @@
+"""The CUDA backend: torch streams and events, non-blocking copies, spans timed by CUDA events.
+
+Same interface as `SimDevice`, so chapters and the runtime run unchanged on a GPU. Each op records a
+start and an end CUDA event on its stream; `synchronize()` turns them into spans in `trace`, placed
+on the host clock through a reference event recorded when the device was made.
+
+What this is not: a wrapper of all of CUDA. Copies are `Tensor.copy_(non_blocking=True)`; work is
+whatever torch calls the launched function makes on the current stream.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from .device import check_copy, lane_of
+from .memory import Ledger, OutOfMemoryError
+from .trace import Trace
+
+
+class CudaEvent:
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event(enable_timing=True)
+        self._recorded = False
+
+    def record(self, stream: CudaStream) -> None:
+        self.event.record(stream.stream)
+        self._recorded = True
+
+    def _check(self, waiter: str) -> None:
+        if not self._recorded:
+            raise RuntimeError(f"{waiter} waits on an event that was never recorded, so it would wait for "
+                               "nothing (CUDA silently would); call event.record(stream) first")
+
+    def query(self) -> bool:
+        return self._recorded and self.event.query()
+
+    def synchronize(self, timeout: float | None = None) -> None:  # CUDA has no timeout here
+        self._check("the host")
+        self.event.synchronize()
+
+    def elapsed_ms(self, end: CudaEvent) -> float:
+        return self.event.elapsed_time(end.event)
+
+
+class CudaStream:
+    def __init__(self, name: str, stream: torch.cuda.Stream):
+        self.name, self.stream = name, stream
+
+    def wait(self, event: CudaEvent) -> None:
+        event._check(f"stream {self.name!r}")
+        self.stream.wait_event(event.event)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def __repr__(self) -> str:
+        return f"CudaStream({self.name!r})"
+
+
+class CudaDevice:
+    kind = "cuda"
+
+    def __init__(self, index: int = 0, trace: Trace | None = None):
+        self.torch_device = torch.device("cuda", index)
+        torch.cuda.set_device(self.torch_device)
+        self.ledger = Ledger({"device": torch.cuda.get_device_properties(index).total_memory})
+        self.trace = trace or Trace()
+        self.default_stream = CudaStream("default", torch.cuda.current_stream(self.torch_device))
+        self._pending: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event, int]] = []
+        self._names = itertools.count()
+        # A reference point on both clocks: host time `_ref_time` is when event `_ref` completed.
+        self._ref = torch.cuda.Event(enable_timing=True)
+        self._ref.record(self.default_stream.stream)
+        self._ref.synchronize()
+        self._ref_time = self.trace.now()
+        self.closed = False
+
+    def stream(self, name: str = "stream") -> CudaStream:
+        return CudaStream(name, torch.cuda.Stream(self.torch_device))
+
+    def event(self) -> CudaEvent:
+        return CudaEvent()
+
+    def empty(self, shape, dtype: torch.dtype = torch.float32, name: str = "tensor") -> torch.Tensor:
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        numel = 1
+        for n in shape:
+            numel *= n
+        if numel <= 0:
+            raise ValueError(f"device tensors need at least one element, got shape {shape}")
+        key = f"{name}#{next(self._names)}"
+        self.ledger.allocate(key, "device", numel * torch.empty(0, dtype=dtype).element_size())
+        try:
+            tensor = torch.empty(shape, dtype=dtype, device=self.torch_device)
+        except torch.OutOfMemoryError as err:
+            self.ledger.free(key)
+            free, total = torch.cuda.mem_get_info(self.torch_device)
+            raise OutOfMemoryError("device", key, numel * tensor_itemsize(dtype), free, total, "") from err
+        weakref.finalize(tensor, self.ledger.free, key).atexit = False
+        return tensor
+
+    def host_empty(self, shape, dtype: torch.dtype = torch.float32, pinned: bool = True) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cuda"
+
+    def _timed(self, stream: CudaStream, lane: str, name: str, nbytes: int, work: Callable[[], None]) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream.stream):
+            start.record()
+            work()
+            end.record()
+        self._pending.append((lane, name, start, end, nbytes))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: CudaStream | None = None,
+             name: str | None = None) -> None:
+        check_copy(dst, src)
+        to_device, from_device = self.is_device(dst), self.is_device(src)
+        if not to_device and not from_device:
+            raise ValueError("both tensors are host tensors; for a host copy use dst.copy_(src)")
+        direction = "d2d" if to_device and from_device else "h2d" if to_device else "d2h"
+        nbytes = src.numel() * src.element_size()
+        self._timed(stream or self.default_stream, lane_of(direction), name or direction, nbytes,
+                    lambda: dst.copy_(src, non_blocking=True))
+
+    def launch(self, stream: CudaStream | None, fn: Callable, *args, name: str = "compute",
+               duration: float | None = None, lane: str = "compute", **kwargs) -> None:
+        if not callable(fn):
+            raise TypeError(f"launch needs a function, got {type(fn).__name__}")
+        self._timed(stream or self.default_stream, lane, name, 0, lambda: fn(*args, **kwargs))
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+        for lane, name, start, end, nbytes in self._pending:
+            t0 = self._ref_time + self._ref.elapsed_time(start) / 1e3
+            t1 = self._ref_time + self._ref.elapsed_time(end) / 1e3
+            self.trace.record(lane, name, t0, max(t0, t1), nbytes)
+        self._pending.clear()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.synchronize()
+            self.closed = True
+
+    def __enter__(self) -> CudaDevice:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CudaDevice({torch.cuda.get_device_name(self.torch_device)!r})"
+
+
+def tensor_itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()

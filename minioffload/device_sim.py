@@ -1,0 +1,323 @@
+"""A simulated GPU on the CPU that behaves, for timing and ordering, like a GPU on a PCIe link.
+
+- Device memory is ordinary CPU memory counted against a capacity in `ledger` (tier "device");
+  allocating past it raises chapter 1's OutOfMemoryError and changes nothing.
+- A stream is an in-order queue run by its own worker thread. Work on different streams runs
+  concurrently; work on one stream never reorders.
+- An event marks a point in a stream; the host (`event.synchronize()`) or another stream
+  (`stream.wait(event)`) can wait for it. Waiting on an event never recorded is an error, not a hang.
+- A host<->device copy is a real copy whose duration follows a `Link` model (latency + bytes /
+  bandwidth), one copy engine per direction, so two H2D copies queue behind each other while an H2D
+  and a D2H overlap, as on a GPU. A copy from pageable host memory is slower and blocks the host.
+- `jitter` delays each stream op by a random 0..jitter seconds: a missing wait then shows up as a
+  wrong result within a few trials instead of passing by luck.
+
+Why a short GIL switch interval: stream workers are Python threads. With the default 5 ms switch
+interval, a worker that releases the GIL (a torch op, a sleep) waits up to 5 ms to win it back, and
+"overlapped" work runs slower than serial work. The device sets 0.1 ms while open and restores the
+previous value on `close()`.
+
+What this is not: a performance model of a GPU's compute. `launch` runs the function for real on the
+CPU; `duration=` pads it to a modelled kernel time when the chapter wants copy and compute balanced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import random
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from .device import Link, check_copy, lane_of
+from .memory import GiB, Ledger
+from .pinned import aligned_empty, is_pinned
+from .trace import Trace
+
+SLOW_LINK = Link(bandwidth=2e9, latency=10e-6)  # a small GPU on a slow link: MiB-sized copies take ms
+_open_devices = 0  # how many SimDevices hold the short switch interval
+_switch_lock = threading.Lock()
+_saved_switch_interval = sys.getswitchinterval()
+
+
+class SimEvent:
+    """A marker in a stream. Re-recording moves the marker; a wait sees the record made before it."""
+
+    def __init__(self, dev: SimDevice):
+        self._dev = dev
+        self._cond = threading.Condition()
+        self._recorded = 0  # records requested by the host
+        self._fired = 0  # records a stream has reached
+        self.time: float | None = None  # trace time when the latest record was reached
+
+    def record(self, stream: SimStream) -> None:
+        with self._cond:
+            self._recorded += 1
+            generation = self._recorded
+        stream._enqueue(lambda: self._fire(generation))
+
+    def _fire(self, generation: int) -> None:
+        with self._cond:
+            self._fired = max(self._fired, generation)
+            self.time = self._dev.trace.now()
+            self._cond.notify_all()
+
+    def _target(self, waiter: str) -> int:
+        with self._cond:
+            if not self._recorded:
+                raise RuntimeError(f"{waiter} waits on an event that was never recorded, so it would wait for "
+                                   "nothing (CUDA silently would); call event.record(stream) first")
+            return self._recorded
+
+    def _wait_for(self, generation: int, timeout: float | None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._fired >= generation, timeout)
+
+    def query(self) -> bool:
+        """True when the latest record has been reached (False if never recorded)."""
+        with self._cond:
+            return bool(self._recorded) and self._fired >= self._recorded
+
+    def synchronize(self, timeout: float | None = 60.0) -> None:
+        """Block the host until the latest record is reached."""
+        if not self._wait_for(self._target("the host"), timeout):
+            raise TimeoutError(f"event not reached within {timeout} s: is its stream waiting on something that "
+                               "never happens?")
+        self._dev._raise_stream_error()
+
+    def elapsed_ms(self, end: SimEvent) -> float:
+        """Milliseconds from this event to `end` (both reached)."""
+        if self.time is None or end.time is None:
+            raise RuntimeError("elapsed_ms needs both events recorded and reached; synchronize first")
+        return (end.time - self.time) * 1e3
+
+
+class SimStream:
+    """An in-order queue of work run by one worker thread."""
+
+    def __init__(self, dev: SimDevice, name: str):
+        self.name, self._dev = name, dev
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"sim-stream-{name}", daemon=True)
+        self._thread.start()
+
+    def _enqueue(self, op: Callable[[], None]) -> None:
+        if self._dev.closed:
+            raise RuntimeError("this sim device is closed; create a new one")
+        self._queue.put(op)
+
+    def _run(self) -> None:
+        while (op := self._queue.get()) is not None:
+            try:
+                if self._dev.jitter:
+                    time.sleep(self._dev._random_delay())
+                op()
+            except BaseException as err:  # reported to the host at its next synchronize
+                self._dev._stream_failed(self.name, err)
+            finally:
+                op = None  # drop the op's tensors now, not when the next op arrives
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def wait(self, event: SimEvent) -> None:
+        """Work enqueued on this stream after this call starts only once `event` is reached."""
+        generation = event._target(f"stream {self.name!r}")
+        self._enqueue(lambda: event._wait_for(generation, None))
+
+    def synchronize(self) -> None:
+        self._queue.join()
+        self._dev._raise_stream_error()
+
+    def __repr__(self) -> str:
+        return f"SimStream({self.name!r})"
+
+
+class SimDevice:
+    """A simulated GPU. Defaults model a small GPU on a slow link, so that copies of a few MiB take
+    milliseconds: 4 GiB of memory, 2 GB/s each way (pinned), pageable copies 2x slower."""
+
+    kind = "sim"
+
+    def __init__(self, memory_bytes: int = 4 * GiB, h2d: Link = SLOW_LINK, d2h: Link = SLOW_LINK,
+                 pageable_slowdown: float = 2.0, jitter: float = 0.0, seed: int | None = None,
+                 trace: Trace | None = None, switch_interval: float = 1e-4):
+        if pageable_slowdown < 1 or jitter < 0:
+            raise ValueError(f"need pageable_slowdown >= 1 and jitter >= 0, got {pageable_slowdown}, {jitter}")
+        self.ledger = Ledger({"device": memory_bytes})
+        self.trace = trace or Trace()
+        self.links = {"h2d": h2d, "d2h": d2h}
+        self.pageable_slowdown, self.jitter = pageable_slowdown, jitter
+        self._rng = random.Random(seed)
+        self._rng_lock = threading.Lock()
+        self._engines = {"h2d": threading.Lock(), "d2h": threading.Lock()}  # one copy engine per direction
+        self._device_storage: dict[int, str] = {}  # storage address -> ledger name
+        self._names = itertools.count()
+        self._streams: list[SimStream] = []
+        self._error: tuple[str, BaseException] | None = None
+        self.closed = False
+        global _open_devices, _saved_switch_interval
+        with _switch_lock:
+            if _open_devices == 0:
+                _saved_switch_interval = sys.getswitchinterval()
+            _open_devices += 1
+            sys.setswitchinterval(switch_interval)
+        self.default_stream = self.stream("default")
+
+    # streams and events -----------------------------------------------------------------------
+    def stream(self, name: str = "stream") -> SimStream:
+        s = SimStream(self, name)
+        self._streams.append(s)
+        return s
+
+    def event(self) -> SimEvent:
+        return SimEvent(self)
+
+    def synchronize(self) -> None:
+        """Wait for all work on all streams; raise the first error any of it hit."""
+        for s in self._streams:
+            s._queue.join()
+        self._raise_stream_error()
+
+    def _random_delay(self) -> float:
+        with self._rng_lock:
+            return self._rng.uniform(0, self.jitter)
+
+    def _stream_failed(self, stream: str, err: BaseException) -> None:
+        if self._error is None:
+            self._error = (stream, err)
+
+    def _raise_stream_error(self) -> None:
+        if self._error is not None:
+            stream, err = self._error
+            self._error = None
+            raise RuntimeError(f"work on stream {stream!r} failed: {type(err).__name__}: {err}") from err
+
+    # memory -----------------------------------------------------------------------------------
+    def empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.float32,
+              name: str = "tensor") -> torch.Tensor:
+        """A zero-filled device tensor, counted in `ledger` until it is garbage collected."""
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        numel = 1
+        for n in shape:
+            numel *= n
+        if numel <= 0:
+            raise ValueError(f"device tensors need at least one element, got shape {shape}")
+        key = f"{name}#{next(self._names)}"
+        self.ledger.allocate(key, "device", numel * torch.empty(0, dtype=dtype).element_size())
+        tensor = torch.zeros(shape, dtype=dtype)  # touch every page now: device memory is resident
+        address = tensor.untyped_storage().data_ptr()
+        self._device_storage[address] = key
+        weakref.finalize(tensor, self._release, address, key).atexit = False
+        return tensor
+
+    def _release(self, address: int, key: str) -> None:
+        self._device_storage.pop(address, None)
+        self.ledger.free(key)
+
+    def host_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.float32,
+                   pinned: bool = True) -> torch.Tensor:
+        """A host tensor: pinned (page-aligned, treated as page-locked) or ordinary pageable memory."""
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if not pinned:
+            return torch.empty(shape, dtype=dtype)
+        numel = 1
+        for n in shape:
+            numel *= n
+        return aligned_empty(numel * torch.empty(0, dtype=dtype).element_size()).view(dtype).view(shape)
+
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self._device_storage
+
+    # work -------------------------------------------------------------------------------------
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: SimStream | None = None,
+             name: str | None = None) -> None:
+        """Copy src into dst on `stream`. From pinned memory it returns at once; from pageable memory the
+        host waits for the copy, as CUDA does."""
+        check_copy(dst, src)
+        to_device, from_device = self.is_device(dst), self.is_device(src)
+        if not to_device and not from_device:
+            raise ValueError("both tensors are host tensors; for a host copy use dst.copy_(src)")
+        direction = "d2d" if to_device and from_device else "h2d" if to_device else "d2h"
+        host_side = src if direction == "h2d" else dst
+        pinned = direction == "d2d" or is_pinned(host_side)
+        nbytes = src.numel() * src.element_size()
+        seconds = 0.0 if direction == "d2d" else self.links[direction].seconds(nbytes)
+        if not pinned:
+            seconds *= self.pageable_slowdown
+        engine = self._engines.get(direction)
+        stream = stream or self.default_stream
+        label = name or direction
+
+        def op() -> None:
+            if engine:
+                engine.acquire()
+            try:
+                start = self.trace.now()
+                dst.copy_(src)
+                remaining = seconds - (self.trace.now() - start)
+                if remaining > 0:
+                    time.sleep(remaining)
+                self.trace.record(lane_of(direction), label, start, self.trace.now(), nbytes)
+            finally:
+                if engine:
+                    engine.release()
+
+        if pinned:
+            stream._enqueue(op)
+            return
+        done = self.event()  # pageable: the host blocks until the copy is done, like cudaMemcpy
+        start = self.trace.now()
+        stream._enqueue(op)
+        done.record(stream)
+        done.synchronize(timeout=None)
+        self.trace.record("host", f"blocked: pageable {label}", start, self.trace.now())
+
+    def launch(self, stream: SimStream | None, fn: Callable, *args, name: str = "compute",
+               duration: float | None = None, lane: str = "compute", **kwargs) -> None:
+        """Run fn(*args, **kwargs) on `stream`; `duration` pads it to a modelled kernel time (s)."""
+        if not callable(fn):
+            raise TypeError(f"launch needs a function, got {type(fn).__name__}")
+
+        def op() -> None:
+            start = self.trace.now()
+            fn(*args, **kwargs)
+            if duration is not None:
+                remaining = duration - (self.trace.now() - start)
+                if remaining > 0:
+                    time.sleep(remaining)
+            self.trace.record(lane, name, start, self.trace.now())
+
+        (stream or self.default_stream)._enqueue(op)
+
+    # lifetime ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish all work, stop the stream threads, restore the GIL switch interval."""
+        if self.closed:
+            return
+        try:
+            self.synchronize()
+        finally:
+            self.closed = True
+            for s in self._streams:
+                s._queue.put(None)
+            global _open_devices
+            with _switch_lock:
+                _open_devices -= 1
+                if _open_devices == 0:
+                    sys.setswitchinterval(_saved_switch_interval)
+
+    def __enter__(self) -> SimDevice:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        link = self.links["h2d"]
+        return (f"SimDevice(memory={self.ledger.capacity('device') / GiB:.1f} GiB, "
+                f"link={link.bandwidth / 1e9:.1f} GB/s, jitter={self.jitter})")

@@ -1,0 +1,193 @@
+"""Page-aligned, pinned host buffers, and a bounded pool that hands them out and takes them back.
+
+Why pinned: a GPU's copy engine can only DMA from page-locked memory. A copy from ordinary
+(pageable) memory is staged through a driver buffer and blocks the host; a copy from pinned memory
+runs on a copy stream while the host goes on. Why aligned: O_DIRECT file I/O (chapter 6) needs
+buffers aligned to the disk's block size; one page (4096 bytes) serves both.
+
+Pinning costs: page-locked memory cannot be swapped and is slow to allocate, so the pool allocates
+once, up front, and reuses. On a machine without CUDA, buffers are aligned but not page-locked; the
+simulated device treats them as pinned (see `is_pinned`).
+
+What this is not: a general allocator. Slots have one size; ask for more and you get a clear error.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+ALIGNMENT = 4096  # one page; also a valid O_DIRECT alignment on common filesystems
+
+_registered: dict[int, int] = {}  # start address -> length, of buffers this module handed out as pinned
+_registry_lock = threading.Lock()
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def aligned_empty(nbytes: int, alignment: int = ALIGNMENT, pin: bool = True) -> torch.Tensor:
+    """A (nbytes,) uint8 host tensor whose address is a multiple of `alignment`.
+
+    With CUDA and pin=True the memory is page-locked (torch's pinned allocator returns page-aligned
+    memory; we check). Otherwise it is carved from a slightly larger NumPy allocation.
+    """
+    if nbytes <= 0:
+        raise ValueError(f"nbytes must be positive, got {nbytes}")
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two, got {alignment}")
+    if pin and _cuda():
+        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if buffer.data_ptr() % alignment == 0:
+            return buffer
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % alignment
+    buffer = torch.from_numpy(raw[offset:offset + nbytes])  # keeps `raw` alive through the view
+    if pin:
+        buffer.zero_()  # page-locked memory is resident: touch every page now, not during a timed copy
+        with _registry_lock:
+            _registered[buffer.data_ptr()] = nbytes
+        # unregister when the last view of the memory dies; not at interpreter exit
+        weakref.finalize(raw, _unregister, buffer.data_ptr()).atexit = False
+    return buffer
+
+
+def _unregister(address: int) -> None:
+    with _registry_lock:
+        _registered.pop(address, None)
+
+
+def is_pinned(tensor: torch.Tensor) -> bool:
+    """True for page-locked CUDA host memory, or (without CUDA) memory handed out by this module as pinned."""
+    if tensor.device.type != "cpu":
+        return False
+    if _cuda():
+        return tensor.is_pinned()
+    address = tensor.data_ptr()
+    with _registry_lock:
+        return any(start <= address < start + length for start, length in _registered.items())
+
+
+class PoolExhausted(RuntimeError):
+    """Every slot of a PinnedPool is in use and the caller chose not to wait (or waited too long)."""
+
+
+@dataclass
+class PoolStats:
+    slots: int
+    slot_bytes: int
+    in_use: int
+    peak_in_use: int
+    acquires: int
+    waits: int  # acquires that had to wait for a release
+
+    @property
+    def total_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+
+class PinnedBuffer:
+    """One slot lent by a PinnedPool. Use `.view(shape, dtype)`; give it back with `.release()` or `with`."""
+
+    def __init__(self, pool: PinnedPool, index: int, nbytes: int):
+        self._pool, self.index, self.nbytes = pool, index, nbytes
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def view(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The slot's memory as a tensor of `shape` and `dtype` (must fit in the slot)."""
+        if self._released:
+            raise RuntimeError(f"buffer {self.index} of {self._pool.name!r} was used after release(); "
+                               "acquire a new one")
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        if nbytes > self._pool.slot_bytes:
+            raise ValueError(f"a {shape} {dtype} view needs {nbytes} bytes; slots of {self._pool.name!r} "
+                             f"hold {self._pool.slot_bytes}")
+        return self._pool._slot(self.index)[:nbytes].view(dtype).view(shape)
+
+    def release(self) -> None:
+        if self._released:
+            raise RuntimeError(f"buffer {self.index} of {self._pool.name!r} was released twice")
+        self._released = True
+        self._pool._give_back(self.index)
+
+    def __enter__(self) -> PinnedBuffer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._released:
+            self.release()
+
+
+class PinnedPool:
+    """`slots` buffers of `slot_bytes` each, in one aligned (pinned when CUDA exists) allocation.
+
+    >>> pool = PinnedPool(slot_bytes=1 << 20, slots=4)
+    >>> with pool.acquire() as buf:
+    ...     x = buf.view((256, 1024), torch.float32)
+
+    Thread-safe. `acquire(block=True)` waits for a release (up to `timeout` seconds, then
+    PoolExhausted); `block=False` raises PoolExhausted at once.
+    """
+
+    def __init__(self, slot_bytes: int, slots: int, name: str = "pinned", alignment: int = ALIGNMENT):
+        if not isinstance(slots, int) or slots <= 0:
+            raise ValueError(f"slots must be a positive integer, got {slots!r}")
+        if not isinstance(slot_bytes, int) or slot_bytes <= 0:
+            raise ValueError(f"slot_bytes must be a positive integer, got {slot_bytes!r}")
+        self.name = name
+        self.slot_bytes = slot_bytes
+        self._stride = -(-slot_bytes // alignment) * alignment  # each slot starts aligned
+        self._memory = aligned_empty(self._stride * slots, alignment)  # (slots * stride,) uint8
+        self._free = list(range(slots - 1, -1, -1))  # a stack: the most recently released is reused first
+        self._cond = threading.Condition()
+        self._stats = PoolStats(slots, slot_bytes, 0, 0, 0, 0)
+
+    def _slot(self, index: int) -> torch.Tensor:
+        return self._memory[index * self._stride: index * self._stride + self.slot_bytes]
+
+    def acquire(self, nbytes: int | None = None, block: bool = True, timeout: float | None = None) -> PinnedBuffer:
+        """Lend one free slot. `nbytes` (default: a whole slot) must not exceed `slot_bytes`."""
+        nbytes = self.slot_bytes if nbytes is None else nbytes
+        if not 0 < nbytes <= self.slot_bytes:
+            raise ValueError(f"asked {self.name!r} for {nbytes} bytes; its slots hold 1..{self.slot_bytes} "
+                             f"bytes (make a pool with larger slots, or split the request)")
+        with self._cond:
+            if not self._free:
+                if not block:
+                    raise PoolExhausted(f"all {self._stats.slots} slots of {self.name!r} are in use; release one "
+                                        "first, acquire with block=True, or make the pool larger")
+                self._stats.waits += 1
+                if not self._cond.wait_for(lambda: bool(self._free), timeout=timeout):
+                    raise PoolExhausted(f"no slot of {self.name!r} was released within {timeout} s; is a "
+                                        "buffer never released? (use `with pool.acquire() as buf:`)")
+            index = self._free.pop()
+            self._stats.in_use += 1
+            self._stats.acquires += 1
+            self._stats.peak_in_use = max(self._stats.peak_in_use, self._stats.in_use)
+            return PinnedBuffer(self, index, nbytes)
+
+    def _give_back(self, index: int) -> None:
+        with self._cond:
+            assert index not in self._free, "slot released twice"  # PinnedBuffer.release guards this
+            self._free.append(index)
+            self._stats.in_use -= 1
+            self._cond.notify()
+
+    def stats(self) -> PoolStats:
+        with self._cond:
+            return PoolStats(**vars(self._stats))
+
+    @property
+    def total_bytes(self) -> int:
+        return self._memory.numel()

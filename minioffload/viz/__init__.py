@@ -1,8 +1,9 @@
 """Figures: pure functions that take data and return a matplotlib Figure (no display, no globals)."""
 
+from .bandwidth import bandwidth_vs_size
 from .footprint import fit_chart, fit_grid, footprint_figure
 from .memory_plot import memory_over_time, usage_series
 from .timeline import bandwidth_over_time, binned_bandwidth, timeline
 
-__all__ = ["bandwidth_over_time", "binned_bandwidth", "fit_chart", "fit_grid", "footprint_figure",
-           "memory_over_time", "timeline", "usage_series"]
+__all__ = ["bandwidth_over_time", "bandwidth_vs_size", "binned_bandwidth", "fit_chart", "fit_grid",
+           "footprint_figure", "memory_over_time", "timeline", "usage_series"]

@@ -1,0 +1,79 @@
+"""Measure this machine: host memory bandwidth, and copy bandwidth between host and device.
+
+`host_memory_bandwidth()` times a large host copy. `copy_bandwidth(dev, ...)` times host<->device
+copies of a range of sizes from pinned and from pageable memory, on the sim device (where the result
+follows its link model, plus the real cost of queuing work) or on a real GPU (where it is the PCIe or
+NVLink-C2C link). Later chapters add disk bandwidth and the CPU Adam rate, and collect all of it into
+a profile the planner uses.
+
+What this is not: a benchmark suite. Each function runs a few repeats and reports the median;
+`bench/` is where contenders are compared side by side.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterable
+
+import torch
+
+from .memory import MiB
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: first touch, allocator, thread start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def host_memory_bandwidth(nbytes: int = 256 * MiB, repeats: int = 5) -> float:
+    """Bytes per second a host-to-host copy moves, counting the read and the write (2 x nbytes per copy)."""
+    if nbytes <= 0 or repeats <= 0:
+        raise ValueError(f"nbytes and repeats must be positive, got {nbytes} and {repeats}")
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / _median_seconds(lambda: dst.copy_(src), repeats)
+
+
+DEFAULT_SIZES = tuple(2**k for k in range(16, 27, 2))  # 64 KiB ... 64 MiB
+
+
+def copy_bandwidth(dev, sizes: Iterable[int] = DEFAULT_SIZES, pinned: bool = True, direction: str = "h2d",
+                   repeats: int = 3) -> list[dict]:
+    """One row per size: {"bytes", "direction", "pinned", "seconds", "bytes_per_s"} (median of `repeats`).
+
+    Each timed copy is issued and then waited for (`dev.synchronize()`), so small copies pay the fixed
+    cost of a launch, as they do on a GPU.
+    """
+    if direction not in ("h2d", "d2h"):
+        raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
+    stream = dev.stream(f"bandwidth {direction}")
+    rows = []
+    for nbytes in sizes:
+        if nbytes < 4 or nbytes % 4:
+            raise ValueError(f"sizes must be positive multiples of 4 bytes, got {nbytes}")
+        host = dev.host_empty(nbytes // 4, pinned=pinned)
+        on_device = dev.empty(nbytes // 4, name="bandwidth probe")
+        dst, src = (on_device, host) if direction == "h2d" else (host, on_device)
+
+        def one_copy(dst: torch.Tensor = dst, src: torch.Tensor = src) -> None:
+            dev.copy(dst, src, stream)
+            dev.synchronize()
+
+        seconds = _median_seconds(one_copy, repeats)
+        rows.append({"bytes": nbytes, "direction": direction, "pinned": pinned, "seconds": seconds,
+                     "bytes_per_s": nbytes / seconds})
+        del host, on_device, dst, src, one_copy  # free the device buffer before the next size
+    return rows
+
+
+def copy_bandwidth_sweep(dev, sizes: Iterable[int] = DEFAULT_SIZES, repeats: int = 3) -> list[dict]:
+    """`copy_bandwidth` for both directions, from pinned and from pageable memory."""
+    sizes = list(sizes)
+    return [row for direction in ("h2d", "d2h") for pinned in (True, False)
+            for row in copy_bandwidth(dev, sizes, pinned, direction, repeats)]

@@ -1,0 +1,41 @@
+"""Bandwidth probes: the sim device's measured copy bandwidth follows its link model."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+
+from minioffload import hardware, viz  # noqa: E402
+from minioffload.device import Link, device  # noqa: E402
+from minioffload.memory import MiB  # noqa: E402
+
+
+def test_host_memory_bandwidth_is_positive_and_refuses_bad_sizes():
+    assert hardware.host_memory_bandwidth(8 * MiB, repeats=2) > 0
+    with pytest.raises(ValueError):
+        hardware.host_memory_bandwidth(0)
+
+
+def test_sim_copy_bandwidth_approaches_the_link_and_pageable_is_slower():
+    link = Link(bandwidth=1e9, latency=20e-6)
+    with device("sim", h2d=link, d2h=link, pageable_slowdown=2.0) as dev:
+        rows = hardware.copy_bandwidth_sweep(dev, sizes=[64 * 1024, 16 * MiB], repeats=2)
+    assert len(rows) == 8 and {r["direction"] for r in rows} == {"h2d", "d2h"}
+    big = {(r["direction"], r["pinned"]): r["bytes_per_s"] for r in rows if r["bytes"] == 16 * MiB}
+    small = {(r["direction"], r["pinned"]): r["bytes_per_s"] for r in rows if r["bytes"] != 16 * MiB}
+    for direction in ("h2d", "d2h"):
+        assert 0.7e9 < big[direction, True] <= 1.0e9  # near the link, never above it
+        assert big[direction, False] < 0.6 * big[direction, True]  # pageable: slower
+        assert small[direction, True] < big[direction, True]  # small copies pay the fixed costs
+    fig = viz.bandwidth_vs_size(rows, link.bandwidth)
+    assert len([line for line in fig.axes[0].get_lines() if not line.get_label().startswith("_")]) == 4
+
+
+def test_copy_bandwidth_refuses_bad_arguments():
+    with device("sim") as dev:
+        with pytest.raises(ValueError, match="direction"):
+            hardware.copy_bandwidth(dev, [4096], direction="sideways")
+        with pytest.raises(ValueError, match="multiples of 4"):
+            hardware.copy_bandwidth(dev, [6])
+        assert dev.ledger.used("device") == 0

@@ -1,0 +1,127 @@
+"""PinnedPool: aligned, bounded, reused, thread-safe; clear errors; every buffer comes back."""
+
+import threading
+
+import pytest
+import torch
+
+from minioffload.pinned import ALIGNMENT, PinnedPool, PoolExhausted, aligned_empty, is_pinned
+
+
+def test_aligned_empty_is_page_aligned_and_pinned_when_asked():
+    for nbytes in (1, 4095, 4096, 1 << 20):
+        buffer = aligned_empty(nbytes)
+        assert buffer.data_ptr() % ALIGNMENT == 0 and buffer.numel() == nbytes
+        assert is_pinned(buffer) and is_pinned(buffer[nbytes // 2:])
+    assert not is_pinned(torch.empty(1 << 20, dtype=torch.uint8))
+    assert not is_pinned(aligned_empty(8192, pin=False))
+
+
+@pytest.mark.parametrize("nbytes, alignment", [(0, 4096), (-1, 4096), (16, 3000)])
+def test_aligned_empty_refuses_bad_sizes(nbytes, alignment):
+    with pytest.raises(ValueError):
+        aligned_empty(nbytes, alignment)
+
+
+def test_slots_are_aligned_distinct_and_views_have_the_asked_shape():
+    pool = PinnedPool(slot_bytes=10_000, slots=3)
+    buffers = [pool.acquire() for _ in range(3)]
+    addresses = {b.view(2500, torch.float32).data_ptr() for b in buffers}
+    assert len(addresses) == 3 and all(a % ALIGNMENT == 0 for a in addresses)
+    view = buffers[0].view((50, 50), torch.float32)
+    view.fill_(1.5)
+    assert view.shape == (50, 50) and view.dtype == torch.float32
+    assert not buffers[1].view(2500).eq(1.5).any()  # slots do not overlap
+    for b in buffers:
+        b.release()
+
+
+def test_a_released_slot_is_reused():
+    pool = PinnedPool(slot_bytes=4096, slots=2)
+    with pool.acquire() as first:
+        address = first.view(1024).data_ptr()
+    with pool.acquire() as again:
+        assert again.view(1024).data_ptr() == address
+    assert pool.stats().in_use == 0 and pool.stats().acquires == 2
+
+
+def test_exhausted_pool_fails_clearly_without_blocking_or_after_a_timeout():
+    pool = PinnedPool(slot_bytes=4096, slots=1, name="staging")
+    held = pool.acquire()
+    with pytest.raises(PoolExhausted, match="all 1 slots of 'staging' are in use"):
+        pool.acquire(block=False)
+    with pytest.raises(PoolExhausted, match="within 0.05 s"):
+        pool.acquire(timeout=0.05)
+    held.release()
+    assert pool.stats().in_use == 0
+
+
+def test_a_blocked_acquire_wakes_up_on_release():
+    pool = PinnedPool(slot_bytes=4096, slots=1)
+    held = pool.acquire()
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(timeout=5)))
+    waiter.start()
+    held.release()
+    waiter.join(timeout=5)
+    assert got and pool.stats().waits == 1
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda pool: pool.acquire(nbytes=5000), ValueError, "its slots hold 1..4096 bytes"),
+    (lambda pool: pool.acquire(nbytes=0), ValueError, "its slots hold"),
+    (lambda pool: pool.acquire().view((2000,), torch.float32), ValueError, "needs 8000 bytes"),
+])
+def test_requests_past_the_bound_are_refused_and_change_nothing(call, error, match):
+    pool = PinnedPool(slot_bytes=4096, slots=2)
+    with pytest.raises(error, match=match):
+        call(pool)
+    stats = pool.stats()
+    assert stats.in_use <= 1  # the view case holds its (valid) buffer; nothing else was lent
+
+
+def test_use_after_release_and_double_release_are_errors():
+    pool = PinnedPool(slot_bytes=4096, slots=1, name="p")
+    buffer = pool.acquire()
+    buffer.release()
+    with pytest.raises(RuntimeError, match="used after release"):
+        buffer.view(16)
+    with pytest.raises(RuntimeError, match="released twice"):
+        buffer.release()
+    assert pool.stats().in_use == 0
+
+
+@pytest.mark.parametrize("slot_bytes, slots", [(0, 1), (4096, 0), (4096, 1.5)])
+def test_bad_pool_shapes_are_refused(slot_bytes, slots):
+    with pytest.raises(ValueError):
+        PinnedPool(slot_bytes=slot_bytes, slots=slots)
+
+
+def test_eight_threads_hammering_never_share_a_slot_and_return_every_buffer():
+    pool = PinnedPool(slot_bytes=4096, slots=3)
+    lent: set[int] = set()
+    lock = threading.Lock()
+    problems: list[str] = []
+
+    def worker(seed: int) -> None:
+        for i in range(300):
+            with pool.acquire(timeout=10) as buffer:
+                with lock:
+                    if buffer.index in lent:
+                        problems.append(f"slot {buffer.index} lent twice")
+                    lent.add(buffer.index)
+                    if len(lent) > 3:
+                        problems.append(f"{len(lent)} slots lent from a pool of 3")
+                buffer.view(1024, torch.int32).fill_(seed * 1000 + i)
+                assert buffer.view(1024, torch.int32)[0].item() == seed * 1000 + i  # nobody else wrote here
+                with lock:
+                    lent.discard(buffer.index)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a worker hung"
+    stats = pool.stats()
+    assert not problems and stats.in_use == 0 and stats.acquires == 2400 and stats.peak_in_use <= 3

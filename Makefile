@@ -58,7 +58,7 @@ lab: $(VENV_STAMP)
 	$(BIN)/jupyter lab --ip=127.0.0.1 --notebook-dir=. $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 bench: $(VENV_STAMP)
-	@benches="$(filter-out bench/gpu_check.py,$(wildcard bench/*.py))"; \
+	@benches="$(filter-out bench/gpu_check.py bench/common.py,$(wildcard bench/*.py))"; \
 	[ -n "$$benches" ] || echo "no benchmarks yet (chapter 1 has nothing to time)"; \
 	for b in $$benches; do $(BIN)/python $$b || exit 1; done
 

@@ -5,7 +5,7 @@ Three versions with one signature, from slowest to fastest, each checked against
     serial          one stream: H2D k, compute k, D2H k, then chunk k+1. Nothing overlaps.
     single_buffer   three streams but one device buffer each way: chunk k+1 cannot arrive before
                     compute k has read chunk k, so compute never overlaps a copy; only the H2D of
-                    k+1 and the D2H of k overlap. Streams without buffers buy little.
+                    k+1 and the D2H of k overlap: 2 stage times per chunk instead of 3.
     overlapped      three streams and `buffers` device buffers each way: H2D of chunk k+1, compute
                     on chunk k and D2H of chunk k-1 run at once.
 
@@ -91,7 +91,7 @@ def overlapped(dev, chunks_in, chunks_out, kernel: Kernel, kernel_seconds: float
 
 
 def single_buffer(dev, chunks_in, chunks_out, kernel: Kernel, kernel_seconds: float | None = None) -> None:
-    """Three streams, one buffer each way: correct, and as slow as serial."""
+    """Three streams, one buffer each way: correct, and at best 1.5x faster than serial."""
     overlapped(dev, chunks_in, chunks_out, kernel, kernel_seconds, buffers=1)
 
 

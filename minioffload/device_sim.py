@@ -10,7 +10,8 @@
   bandwidth), one copy engine per direction, so two H2D copies queue behind each other while an H2D
   and a D2H overlap, as on a GPU. A copy from pageable host memory is slower and blocks the host.
 - `jitter` delays each stream op by a random 0..jitter seconds: a missing wait then shows up as a
-  wrong result within a few trials instead of passing by luck.
+  wrong result within a few trials instead of passing by luck. (A hazard that needs one stage to be
+  slower than another shows up reliably only when a slow link or a long kernel makes it so.)
 
 Why a short GIL switch interval: stream workers are Python threads. With the default 5 ms switch
 interval, a worker that releases the GIL (a torch op, a sleep) waits up to 5 ms to win it back, and

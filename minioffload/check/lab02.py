@@ -1,0 +1,352 @@
+"""Graders for Lab 2, "Moving bytes": the double-buffered pipeline, its wait rules, overlap (2.2-2.5).
+
+Task 2.1 (the slot pool) is graded in lab02_pool.py.
+
+The pipeline graders run the learner's code on the simulated device with jitter and with one stage
+made slow at a time (the H2D link, the kernel, the D2H link). A slow stage makes each missing wait
+show up as a wrong chunk in every trial, not one trial in three; the trace of the failed run then
+says which rule was broken. Verdicts carry counts and sizes, never timings, so they are the same on
+every run.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+
+from .. import pipeline
+from ..device import Link, device
+from ..pinned import aligned_empty
+from ..trace import Span, Trace
+from . import grader
+
+# ---------------------------------------------------------------------------------------------
+# Task 2.2: the double-buffered pipeline
+
+NUM_CHUNKS, CHUNK_FLOATS = 8, 64 * 1024  # 8 chunks of 256 KiB: a copy takes ~0.13 ms at 2 GB/s
+CHUNK_BYTES = CHUNK_FLOATS * 4
+SLOW_STAGE = 1e-3  # s per chunk for the stage a scenario slows down
+SLOW_LINK = Link(bandwidth=CHUNK_BYTES / SLOW_STAGE, latency=10e-6)
+JITTER = 2e-4  # s: each stream op starts up to this late
+SEEDS = (0, 1)
+STRUCTURE_KERNEL_SECONDS = 2e-4  # the jitter-free run: compute about as long as a copy
+
+
+def _double(x: torch.Tensor, out: torch.Tensor) -> None:
+    """The grader's kernel. Inputs are distinct per chunk, so a stale buffer gives a wrong result."""
+    torch.mul(x, 2, out=out)
+
+
+def _slow_double(x: torch.Tensor, out: torch.Tensor) -> None:
+    """A slow kernel that reads its input only at the end, as a long kernel's last loads would."""
+    time.sleep(SLOW_STAGE)
+    torch.mul(x, 2, out=out)
+
+
+# (name, device options, kernel): one stage slow per scenario, so each wait's hazard is exposed
+SCENARIOS = (
+    ("slow H2D", {"h2d": SLOW_LINK}, _double),
+    ("slow kernel", {}, _slow_double),
+    ("slow D2H", {"d2h": SLOW_LINK}, _double),
+)
+
+RULES = {  # wait -> (what the trace shows when it is missing, as a format string over chunk k)
+    "compute_after_h2d": "compute of chunk {k} started before its H2D copy finished",
+    "d2h_after_compute": "the D2H copy of chunk {k} started before its compute finished",
+    "h2d_after_compute": "the H2D copy of chunk {k2} overwrote input buffer {b} before compute of chunk {k} "
+                         "was done reading it",
+    "compute_after_d2h": "compute of chunk {k2} overwrote output buffer {b} before the D2H copy of chunk {k} "
+                         "was done reading it",
+}
+WAIT_HINT = {
+    "compute_after_h2d": "compute.wait(arrived[k]) before launching chunk k",
+    "d2h_after_compute": "d2h.wait(computed[k]) before copying chunk k out",
+    "h2d_after_compute": "h2d.wait(computed[k - 2]) before copying chunk k into a reused input buffer",
+    "compute_after_d2h": "compute.wait(departed[k - 2]) before chunk k writes a reused output buffer",
+}
+
+
+def _host_chunks() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Pinned input chunks with values distinct across all chunks, and pinned output chunks."""
+    chunks_in, chunks_out = [], []
+    for k in range(NUM_CHUNKS):
+        chunk = aligned_empty(CHUNK_BYTES).view(torch.float32)  # (CHUNK_FLOATS,) fp32, pinned
+        torch.arange(k * CHUNK_FLOATS + 1, (k + 1) * CHUNK_FLOATS + 1, dtype=torch.float32, out=chunk)
+        chunks_in.append(chunk)
+        chunks_out.append(aligned_empty(CHUNK_BYTES).view(torch.float32))
+    return chunks_in, chunks_out
+
+
+SENTINEL = -1.0  # output chunks are filled with this before each run: "never copied back"
+
+
+@contextmanager
+def _sim(**options):
+    """A sim device closed afterwards, without letting a stream error at close hide the real failure."""
+    dev = device("sim", **options)
+    try:
+        yield dev
+    finally:
+        try:
+            dev.close()
+        except Exception:  # the run's own error, if any, is already on its way up
+            pass
+
+
+def _describe(got: torch.Tensor, expected: list[torch.Tensor], k: int) -> str:
+    """What a wrong output chunk holds, in words: nothing, zeros, another chunk's result, a mix."""
+    if torch.all(got == SENTINEL):
+        return "never came back (its output is untouched)"
+    if torch.all(got == 0):
+        return "came back as zeros (a buffer read before anything was written to it)"
+    for j, other in enumerate(expected):
+        if j != k and torch.equal(got, other):
+            when = "an earlier" if j < k else "a later"
+            return f"came back holding chunk {j}'s result ({when} chunk that shares its buffers)"
+    wrong = int((got != expected[k]).sum())
+    return f"came back with {wrong} of {got.numel()} values wrong (a buffer read while it was being written)"
+
+
+def _broken_rules(trace: Trace, buffers: int = 2) -> list[tuple[str, str]]:
+    """Rules the trace shows broken, as (wait name, sentence). Spans on each lane are taken in start
+    order as chunks 0, 1, ...; an empty list when the lanes do not hold one span per chunk."""
+    lanes = {lane: sorted(trace.on(lane), key=lambda s: s.start) for lane in ("h2d", "compute", "d2h")}
+    if any(len(spans) != NUM_CHUNKS for spans in lanes.values()):
+        return []
+    h2d, compute, d2h = lanes["h2d"], lanes["compute"], lanes["d2h"]
+    broken: list[tuple[str, str]] = []
+
+    def check(name: str, later: Span, earlier: Span, **where) -> None:
+        if later.start < earlier.end and name not in {b[0] for b in broken}:
+            broken.append((name, RULES[name].format(**where)))
+
+    for k in range(NUM_CHUNKS):
+        check("compute_after_h2d", compute[k], h2d[k], k=k)
+        check("d2h_after_compute", d2h[k], compute[k], k=k)
+        if k + buffers < NUM_CHUNKS:
+            check("h2d_after_compute", h2d[k + buffers], compute[k], k=k, k2=k + buffers, b=k % buffers)
+            check("compute_after_d2h", compute[k + buffers], d2h[k], k=k, k2=k + buffers, b=k % buffers)
+    return broken
+
+
+def _first_wrong(chunks_out: list[torch.Tensor], expected: list[torch.Tensor]) -> int | None:
+    return next((k for k, (got, want) in enumerate(zip(chunks_out, expected, strict=True))
+                 if not torch.equal(got, want)), None)
+
+
+def _run_pipeline(fn: Callable, kernel: Callable, kernel_seconds: float | None, what: str,
+                  **options) -> tuple[Trace, int]:
+    """Run fn on a fresh sim device; check every chunk; return the trace and the device memory peak."""
+    chunks_in, chunks_out = _host_chunks()
+    expected = pipeline.reference(chunks_in, _double)  # the slow kernel computes the same
+    for chunk in chunks_out:
+        chunk.fill_(SENTINEL)
+    with _sim(**options) as dev:
+        fn(dev, chunks_in, chunks_out, kernel, kernel_seconds)
+        k = _first_wrong(chunks_out, expected)
+        if k is not None:
+            dev.synchronize()
+            if _first_wrong(chunks_out, expected) is None:
+                raise AssertionError(f"{what}: the results were not all there when your function returned, but "
+                                     "were a moment later: end with dev.synchronize() so the host waits for "
+                                     "every D2H copy")
+            problem = _describe(chunks_out[k], expected, k)
+            broken = _broken_rules(dev.trace)
+            if broken:
+                name, sentence = broken[0]
+                hint = f"the trace shows {sentence}: add the wait {name!r} ({WAIT_HINT[name]})"
+            else:
+                hint = ("probably a missing wait; check each of "
+                        + ", ".join(f"{name!r}" for name in sorted(pipeline.WAITS)))
+            raise AssertionError(f"{what}: chunk {k} {problem}, expected 2 * input; {hint}")
+        peak = dev.ledger.peak("device")
+    return dev.trace, peak
+
+
+def _overlaps(a: Span, b: Span) -> bool:
+    return a.start < b.end and b.start < a.end
+
+
+@grader("2.2")
+def double_buffered(fn: Callable) -> str:
+    """fn(dev, chunks_in, chunks_out, kernel, kernel_seconds): overlapped(..., buffers=2), by hand."""
+    trials = 0
+    for seed in SEEDS:
+        for name, options, kernel in SCENARIOS:
+            trials += 1
+            _run_pipeline(fn, kernel, None, f"trial {trials} ({name}, jitter, seed {seed})",
+                          jitter=JITTER, seed=seed, **options)
+    trace, peak = _run_pipeline(fn, _double, STRUCTURE_KERNEL_SECONDS, "the run without jitter")
+    lanes = {lane: trace.on(lane) for lane in ("h2d", "compute", "d2h")}
+    for lane, spans in lanes.items():
+        assert len(spans) == NUM_CHUNKS, (
+            f"the trace has {len(spans)} {lane!r} spans for {NUM_CHUNKS} chunks; expected one per chunk "
+            f"({'dev.copy' if lane != 'compute' else 'dev.launch'} once per chunk)")
+    short = [s for s in lanes["compute"] if s.duration < STRUCTURE_KERNEL_SECONDS]
+    assert not short, (f"{len(short)} compute spans are shorter than kernel_seconds: pass it on as "
+                       "dev.launch(..., duration=kernel_seconds)")
+    assert any(_overlaps(h, c) for h in lanes["h2d"] for c in lanes["compute"]), (
+        "results are right, but no H2D copy overlapped any compute: with one stream, or one buffer each way, "
+        "chunk k+1 cannot arrive while chunk k is computed; use separate h2d/compute/d2h streams and two "
+        "buffers each way, and wait only on the events the rules need")
+    buffers = peak / CHUNK_BYTES
+    assert peak <= 4 * CHUNK_BYTES, (
+        f"device memory peaked at {buffers:g} chunk buffers; expected at most 4 (two in, two out): allocate "
+        "the buffers once, before the loop, and reuse them")
+    return (f"{trials} jittered trials correct (slow H2D, slow kernel, slow D2H); h2d overlapped compute; "
+            f"peak {buffers:g} buffers")
+
+
+# ---------------------------------------------------------------------------------------------
+# Task 2.3: which waits a schedule needs
+
+ALWAYS = frozenset({"compute_after_h2d", "d2h_after_compute"})
+SAFETY_RUNS = ((NUM_CHUNKS, 2), (4, 4))  # (num_chunks, buffers) run on the sim with the learner's answer
+
+
+def expected_waits(num_chunks: int, buffers: int) -> frozenset[str]:
+    return pipeline.WAITS if buffers < num_chunks else ALWAYS
+
+
+def _overlapped_with(waits: frozenset[str], buffers: int, num_chunks: int) -> Callable:
+    def run(dev, chunks_in, chunks_out, kernel, kernel_seconds):
+        pipeline.overlapped(dev, chunks_in[:num_chunks], chunks_out[:num_chunks], kernel, kernel_seconds,
+                            buffers=buffers, waits=waits)
+    return run
+
+
+@grader("2.3")
+def needed_waits(fn: Callable) -> str:
+    """fn(num_chunks, buffers) -> the subset of pipeline.WAITS the overlapped pipeline needs."""
+    cases = 0
+    for num_chunks in range(1, 7):
+        for buffers in range(1, 8):
+            got = fn(num_chunks, buffers)
+            assert isinstance(got, (set, frozenset)), f"needed_waits returned {got!r}; return a set of rule names"
+            unknown = set(got) - pipeline.WAITS
+            assert not unknown, f"unknown rule names {sorted(unknown)}; the rules are {sorted(pipeline.WAITS)}"
+            expected = expected_waits(num_chunks, buffers)
+            if set(got) != expected:
+                missing, extra = sorted(expected - set(got)), sorted(set(got) - expected)
+                why = (f"chunk {buffers} reuses chunk 0's buffers, so the reuse rules are needed"
+                       if buffers < num_chunks else
+                       f"every chunk has its own buffers (buffers >= {num_chunks} chunks), so no reuse rule is "
+                       "needed: an unneeded wait only costs time")
+                raise AssertionError(f"needed_waits({num_chunks}, {buffers}) returned {sorted(got)}, expected "
+                                     f"{sorted(expected)} (missing {missing}, extra {extra}): {why}")
+            cases += 1
+    for num_chunks, buffers in SAFETY_RUNS:
+        waits = frozenset(fn(num_chunks, buffers))
+        run = _overlapped_with(waits, buffers, num_chunks)
+        for name, options, kernel in SCENARIOS:
+            _check_slice(run, kernel, num_chunks,
+                         f"overlapped({num_chunks} chunks, buffers={buffers}, waits=your answer), {name}",
+                         jitter=JITTER, seed=0, **options)
+    runs = len(SAFETY_RUNS) * len(SCENARIOS)
+    return (f"{cases} (num_chunks, buffers) cases match; your waits kept {runs} jittered runs correct; "
+            f"{len(ALWAYS)} rules suffice when no buffer is reused")
+
+
+def _check_slice(run: Callable, kernel: Callable, num_chunks: int, what: str, **options) -> None:
+    """Run `run` on the first num_chunks chunks and compare those with the reference."""
+    chunks_in, chunks_out = _host_chunks()
+    expected = pipeline.reference(chunks_in[:num_chunks], _double)
+    for chunk in chunks_out:
+        chunk.fill_(SENTINEL)
+    with _sim(**options) as dev:
+        run(dev, chunks_in, chunks_out, kernel, None)
+    k = _first_wrong(chunks_out[:num_chunks], expected)
+    assert k is None, f"{what}: chunk {k} {_describe(chunks_out[k], expected, k)}, expected 2 * input"
+
+
+# ---------------------------------------------------------------------------------------------
+# Task 2.4: overlap from spans
+
+HAND_MADE = [  # (spans, what they show)
+    ([], "no spans"),
+    ([("h2d", 0.0, 1.0)], "one span"),
+    ([("h2d", 0.0, 2.0), ("h2d", 1.0, 3.0)], "one lane, overlapping spans"),
+    ([("h2d", 0.0, 1.0), ("compute", 1.0, 2.0)], "two lanes, touching"),
+    ([("h2d", 0.0, 1.0), ("compute", 0.0, 1.0)], "two lanes, the same interval"),
+    ([("h2d", 0.0, 2.0), ("compute", 1.0, 3.0)], "two lanes, half overlapping"),
+    ([("h2d", 0.0, 4.0), ("compute", 1.0, 2.0), ("d2h", 1.5, 3.0)], "three lanes, nested"),
+    ([("h2d", 0.0, 1.0), ("h2d", 0.5, 2.0), ("compute", 0.75, 1.25)], "a lane overlapping itself and another"),
+    ([("h2d", 0.0, 1.0), ("compute", 5.0, 6.0)], "two lanes with a gap"),
+    ([("h2d", 0.0, 0.0), ("compute", 0.0, 1.0)], "a zero-length span"),
+]
+RANDOM_SETS = 200
+
+
+def _reference_overlap(spans: list[tuple[str, float, float]]) -> float:
+    return Trace(spans=[Span(lane, "span", start, end) for lane, start, end in spans]).overlap_fraction()
+
+
+def _random_spans(rng: random.Random) -> list[tuple[str, float, float]]:
+    spans = []
+    for _ in range(rng.randint(1, 12)):
+        start = rng.uniform(0, 10)
+        spans.append((rng.choice(("h2d", "compute", "d2h")), start, start + rng.uniform(0, 3)))
+    return spans
+
+
+@grader("2.4")
+def overlap_fraction(fn: Callable) -> str:
+    """fn(spans) with spans a list of (lane, start, end) -> the overlap fraction, as Trace computes it."""
+    for spans, what in HAND_MADE:
+        expected = _reference_overlap(spans)
+        got = fn(list(spans))
+        assert isinstance(got, (int, float)) and abs(got - expected) <= 1e-9, (
+            f"{what}: overlap_fraction({spans}) returned {got!r}, expected {expected:.4g} (time with two or more "
+            "*lanes* busy over time with any lane busy; spans on one lane never overlap each other)")
+    rng = random.Random(2)
+    for _ in range(RANDOM_SETS):
+        spans = _random_spans(rng)
+        expected = _reference_overlap(spans)
+        got = fn(list(spans))
+        assert isinstance(got, (int, float)) and abs(got - expected) <= 1e-9, (
+            f"random spans {[(lane, round(s, 3), round(e, 3)) for lane, s, e in spans]}: returned {got!r}, "
+            f"expected {expected:.6g}")
+    return f"{len(HAND_MADE)} hand-made and {RANDOM_SETS} random span sets match Trace.overlap_fraction"
+
+
+# ---------------------------------------------------------------------------------------------
+# Task 2.5: predict the makespan from the rules
+
+def reference_makespan(num_chunks: int, buffers: int, h2d: float, compute: float, d2h: float) -> float:
+    """When the last D2H ends if every stage starts as soon as its stream and its waits allow."""
+    h2d_end, compute_end, d2h_end = [], [], []
+    for k in range(num_chunks):
+        reuse = k - buffers  # the chunk whose buffers chunk k takes over (none when negative)
+        start = max(h2d_end[k - 1] if k else 0.0, compute_end[reuse] if reuse >= 0 else 0.0)
+        h2d_end.append(start + h2d)
+        start = max(compute_end[k - 1] if k else 0.0, h2d_end[k], d2h_end[reuse] if reuse >= 0 else 0.0)
+        compute_end.append(start + compute)
+        start = max(d2h_end[k - 1] if k else 0.0, compute_end[k])
+        d2h_end.append(start + d2h)
+    return d2h_end[-1] if num_chunks else 0.0
+
+
+STAGE_TIMES = ((1.0, 1.0, 1.0), (2.0, 1.0, 1.0), (1.0, 3.0, 1.0), (1.0, 1.0, 2.0), (0.5, 2.0, 0.25),
+               (3.0, 0.5, 3.0))
+
+
+@grader("2.5")
+def pipeline_makespan(fn: Callable) -> str:
+    """fn(num_chunks, buffers, h2d, compute, d2h) -> seconds until the last D2H ends."""
+    cases = 0
+    for times in STAGE_TIMES:
+        for num_chunks in range(1, 9):
+            for buffers in range(1, 5):
+                expected = reference_makespan(num_chunks, buffers, *times)
+                got = fn(num_chunks, buffers, *times)
+                assert isinstance(got, (int, float)) and abs(got - expected) <= 1e-9 * max(1.0, expected), (
+                    f"pipeline_makespan({num_chunks}, {buffers}, h2d={times[0]}, compute={times[1]}, "
+                    f"d2h={times[2]}) returned {got!r}, expected {expected:g}")
+                cases += 1
+    one, two = fn(8, 1, 1.0, 1.0, 1.0), fn(8, 2, 1.0, 1.0, 1.0)
+    return (f"{cases} cases match; 8 chunks with equal stages take {one:g} stage times with 1 buffer, "
+            f"{two:g} with 2 (serial: 24)")

@@ -1,0 +1,216 @@
+"""Lab 2 verdicts: right answers pass, plausible mistakes fail with a reason, stubs say TODO."""
+
+import threading
+
+import pytest
+
+from minioffload import check, pipeline
+from minioffload.check import lab02, lab02_pool
+from minioffload.trace import Span, Trace
+
+
+def stub(*args):
+    raise NotImplementedError("Task")
+
+
+class SlotPool:
+    """The reference answer to Task 2.1."""
+
+    def __init__(self, slots):
+        self.slots, self._free, self._lent = slots, list(range(slots)), set()
+        self._cond = threading.Condition()
+
+    def acquire(self, block=False):
+        with self._cond:
+            if not self._free:
+                if not block:
+                    raise RuntimeError(f"pool exhausted: all {self.slots} slots are lent")
+                self._cond.wait_for(lambda: self._free)
+            index = self._free.pop()
+            self._lent.add(index)
+            return index
+
+    def release(self, index):
+        with self._cond:
+            if index not in self._lent:
+                raise ValueError(f"slot {index} is not lent out")
+            self._lent.remove(index)
+            self._free.append(index)
+            self._cond.notify()
+
+
+class NeverBlocks(SlotPool):
+    def acquire(self, block=False):
+        return super().acquire(block=False)
+
+
+class NoNotify(SlotPool):
+    def release(self, index):
+        with self._cond:
+            if index not in self._lent:
+                raise ValueError(f"slot {index} is not lent out")
+            self._lent.remove(index)
+            self._free.append(index)  # forgot self._cond.notify(): a waiter sleeps forever
+
+
+class LaxRelease(SlotPool):
+    def release(self, index):
+        with self._cond:
+            self._lent.discard(index)
+            if index not in self._free:
+                self._free.append(index)
+            self._cond.notify()
+
+
+class RoundRobin(SlotPool):
+    """Hands out slots in turn, whether or not they came back."""
+
+    def acquire(self, block=False):
+        with self._cond:
+            index = len(self._lent) % self.slots
+            self._lent.add(index)
+            return index
+
+
+class VagueError(SlotPool):
+    def acquire(self, block=False):
+        if not block and not self._free:
+            raise RuntimeError("no slot")
+        return super().acquire(block)
+
+
+def overlapped_2(dev, chunks_in, chunks_out, kernel, kernel_seconds=None):
+    pipeline.overlapped(dev, chunks_in, chunks_out, kernel, kernel_seconds, buffers=2)
+
+
+def without(wait):
+    def run(dev, chunks_in, chunks_out, kernel, kernel_seconds=None):
+        pipeline.overlapped(dev, chunks_in, chunks_out, kernel, kernel_seconds, buffers=2,
+                            waits=pipeline.WAITS - {wait})
+    return run
+
+
+def no_synchronize(dev, chunks_in, chunks_out, kernel, kernel_seconds=None):
+    real = dev.synchronize
+    dev.synchronize = lambda: None  # the learner forgot the last line
+    try:
+        overlapped_2(dev, chunks_in, chunks_out, kernel, kernel_seconds)
+    finally:
+        dev.synchronize = real
+
+
+def overlap_by_trace(spans):
+    return Trace(spans=[Span(lane, "span", start, end) for lane, start, end in spans]).overlap_fraction()
+
+
+def counts_spans_not_lanes(spans):
+    """Counts two overlapping spans on one lane as overlap."""
+    edges = sorted({t for _, start, end in spans for t in (start, end)})
+    any_busy = many_busy = 0.0
+    for a, b in zip(edges, edges[1:], strict=False):
+        busy = sum(1 for _, start, end in spans if start <= a and b <= end)
+        any_busy += (b - a) if busy else 0.0
+        many_busy += (b - a) if busy >= 2 else 0.0
+    return many_busy / any_busy if any_busy else 0.0
+
+
+REFERENCE = {
+    "2.1": SlotPool,
+    "2.2": overlapped_2,
+    "2.3": lambda num_chunks, buffers: set(lab02.expected_waits(num_chunks, buffers)),
+    "2.4": overlap_by_trace,
+    "2.5": lab02.reference_makespan,
+}
+WRONG = [  # (task, plausible mistake, what the verdict must mention)
+    ("2.1", NeverBlocks, "wait until a slot is released"),
+    ("2.1", NoNotify, "notify"),
+    ("2.1", LaxRelease, "ValueError"),
+    ("2.1", RoundRobin, "never lend more than"),
+    ("2.1", VagueError, "exhausted"),
+    *[("2.2", without(wait), wait) for wait in sorted(pipeline.WAITS)],
+    ("2.2", pipeline.serial, "no H2D copy overlapped any compute"),
+    ("2.2", pipeline.single_buffer, "no H2D copy overlapped any compute"),
+    ("2.2", lambda dev, i, o, k, s=None: pipeline.overlapped(dev, i, o, k, s, buffers=3), "peaked at 6 chunk buffers"),
+    ("2.2", lambda dev, i, o, k, s=None: pipeline.overlapped(dev, i, o, k, None, buffers=2), "kernel_seconds"),
+    ("2.2", no_synchronize, "dev.synchronize()"),
+    ("2.3", lambda num_chunks, buffers: set(pipeline.WAITS), "no reuse rule is needed"),
+    ("2.3", lambda num_chunks, buffers: {"compute_after_h2d", "d2h_after_compute"}, "reuse rules are needed"),
+    ("2.3", lambda num_chunks, buffers: set(lab02.expected_waits(num_chunks + 1, buffers)), "expected"),
+    ("2.3", lambda num_chunks, buffers: sorted(lab02.expected_waits(num_chunks, buffers)), "return a set"),
+    ("2.4", counts_spans_not_lanes, "one lane, overlapping spans"),
+    ("2.4", lambda spans: overlap_by_trace(spans) if spans else 1.0, "no spans"),
+    ("2.5", lambda n, b, h, c, d: (h + c + d) + (n - 1) * max(h, c, d), "expected"),
+]
+
+
+@pytest.mark.parametrize("task_id", sorted(REFERENCE))
+def test_reference_passes(task_id):
+    verdict = check.grade(task_id, REFERENCE[task_id])
+    assert verdict.passed, str(verdict)
+    assert str(verdict).startswith(f"PASS Task {task_id}: ")
+
+
+@pytest.mark.parametrize("task_id, wrong, reason", WRONG,
+                         ids=[f"{t}-{getattr(w, '__name__', 'fn')}-{n}" for n, (t, w, _) in enumerate(WRONG)])
+def test_plausible_mistake_fails_with_a_reason(task_id, wrong, reason):
+    verdict = check.grade(task_id, wrong)
+    assert verdict.status == "FAIL" and reason in verdict.detail, str(verdict)
+
+
+@pytest.mark.parametrize("wait", sorted(pipeline.WAITS))
+def test_a_missing_wait_is_named_from_the_trace(wait):
+    verdict = check.grade("2.2", without(wait))
+    assert verdict.status == "FAIL" and f"add the wait {wait!r}" in verdict.detail, str(verdict)
+    assert "chunk" in verdict.detail
+
+
+@pytest.mark.parametrize("task_id", sorted(REFERENCE))
+def test_stub_is_todo(task_id):
+    assert check.grade(task_id, stub).status == "TODO"
+
+
+def test_a_pool_whose_constructor_is_a_stub_is_todo():
+    class Stub:
+        def __init__(self, slots):
+            raise NotImplementedError("Task 2.1")
+
+    assert check.grade("2.1", Stub).status == "TODO"
+
+
+def test_verdicts_hold_no_timings():
+    """nbval compares the check lines in strict mode: the same answer must print the same line."""
+    for task_id in ("2.2", "2.3"):
+        assert str(check.grade(task_id, REFERENCE[task_id])) == str(check.grade(task_id, REFERENCE[task_id]))
+
+
+def test_a_pool_that_deadlocks_under_contention_fails_instead_of_hanging(monkeypatch):
+    monkeypatch.setattr(lab02_pool, "HAMMER_TIMEOUT", 1.0)
+
+    class LosesSlots(SlotPool):
+        """Under contention some releases are lost: the pool slowly runs dry and every thread waits."""
+
+        def __init__(self, slots):
+            super().__init__(slots)
+            self._releases = 0
+
+        def release(self, index):
+            with self._cond:
+                if index not in self._lent:
+                    raise ValueError(f"slot {index} is not lent out")
+                self._releases += 1
+                self._lent.remove(index)
+                if self._releases > 10 and self._releases % 7 == 0:
+                    return  # lost
+                self._free.append(index)
+                self._cond.notify()
+
+    verdict = check.grade("2.1", LosesSlots)
+    assert verdict.status == "FAIL" and "still wait" in verdict.detail, str(verdict)
+
+
+def test_makespan_reference_matches_the_rules_by_hand():
+    # equal stages: serial would be 3 per chunk; one buffer gives a period of 2, two buffers a period of 1
+    assert lab02.reference_makespan(8, 1, 1.0, 1.0, 1.0) == 3 + 2 * 7
+    assert lab02.reference_makespan(8, 2, 1.0, 1.0, 1.0) == 3 + 7
+    assert lab02.reference_makespan(4, 8, 1.0, 3.0, 1.0) == 1 + 4 * 3 + 1  # compute-bound
+    assert lab02.reference_makespan(0, 2, 1.0, 1.0, 1.0) == 0.0

@@ -13,6 +13,12 @@
   wrong result within a few trials instead of passing by luck. (A hazard that needs one stage to be
   slower than another shows up reliably only when a slow link or a long kernel makes it so.)
 
+Model time (time.perf_counter seconds; spans are recorded relative to the trace origin): every op has
+a modelled start (when its stream, its copy engine and the events it waits
+on allow) and a modelled end (start + its modelled duration). A worker sleeps until that end, so the
+wall clock follows the model, but a thread that wakes a little late does not push the model back:
+as on a GPU, a copy engine starts the moment its dependency is met. Spans in `trace` are model times.
+
 Why a short GIL switch interval: stream workers are Python threads. With the default 5 ms switch
 interval, a worker that releases the GIL (a torch op, a sleep) waits up to 5 ms to win it back, and
 "overlapped" work runs slower than serial work. The device sets 0.1 ms while open and restores the
@@ -46,6 +52,13 @@ _switch_lock = threading.Lock()
 _saved_switch_interval = sys.getswitchinterval()
 
 
+def _sleep_until(at: float) -> None:
+    """Sleep until model time `at` (time.perf_counter seconds)."""
+    remaining = at - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)
+
+
 class SimEvent:
     """A marker in a stream. Re-recording moves the marker; a wait sees the record made before it."""
 
@@ -54,19 +67,26 @@ class SimEvent:
         self._cond = threading.Condition()
         self._recorded = 0  # records requested by the host
         self._fired = 0  # records a stream has reached
+        self._times: dict[int, float] = {}  # record generation -> model time (perf_counter s) it was reached
         self.time: float | None = None  # trace time when the latest record was reached
 
     def record(self, stream: SimStream) -> None:
         with self._cond:
             self._recorded += 1
             generation = self._recorded
-        stream._enqueue(lambda: self._fire(generation))
+        stream._enqueue(lambda floor: self._fire(generation, floor))
 
-    def _fire(self, generation: int) -> None:
+    def _fire(self, generation: int, at: float) -> float:
         with self._cond:
             self._fired = max(self._fired, generation)
-            self.time = self._dev.trace.now()
+            self._times[generation] = at
+            self.time = at - self._dev.trace.origin
             self._cond.notify_all()
+        return at
+
+    def _time_of(self, generation: int) -> float:
+        with self._cond:
+            return self._times[generation]
 
     def _target(self, waiter: str) -> int:
         with self._cond:
@@ -103,32 +123,43 @@ class SimStream:
 
     def __init__(self, dev: SimDevice, name: str):
         self.name, self._dev = name, dev
-        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Callable[[float], float], float] | None] = queue.Queue()
+        self._model_time = 0.0  # model time (time.perf_counter seconds) at which this stream's last op ended
         self._thread = threading.Thread(target=self._run, name=f"sim-stream-{name}", daemon=True)
         self._thread.start()
 
-    def _enqueue(self, op: Callable[[], None]) -> None:
+    def _enqueue(self, op: Callable[[float], float]) -> None:
+        """Queue `op(floor) -> end`: floor is the earliest model time it may start, end its model end."""
         if self._dev.closed:
             raise RuntimeError("this sim device is closed; create a new one")
-        self._queue.put(op)
+        self._queue.put((op, time.perf_counter()))
 
     def _run(self) -> None:
-        while (op := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            op, enqueued = item
             try:
+                # an op starts no earlier than the previous op on this stream ended, nor before it was enqueued
+                floor = max(self._model_time, enqueued)
                 if self._dev.jitter:
-                    time.sleep(self._dev._random_delay())
-                op()
+                    floor += self._dev._random_delay()
+                    _sleep_until(floor)
+                self._model_time = max(self._model_time, op(floor))
             except BaseException as err:  # reported to the host at its next synchronize
                 self._dev._stream_failed(self.name, err)
             finally:
-                op = None  # drop the op's tensors now, not when the next op arrives
+                item = op = None  # drop the op's tensors now, not when the next op arrives
                 self._queue.task_done()
         self._queue.task_done()
 
     def wait(self, event: SimEvent) -> None:
         """Work enqueued on this stream after this call starts only once `event` is reached."""
         generation = event._target(f"stream {self.name!r}")
-        self._enqueue(lambda: event._wait_for(generation, None))
+
+        def wait_op(floor: float) -> float:
+            event._wait_for(generation, None)
+            return max(floor, event._time_of(generation))
+
+        self._enqueue(wait_op)
 
     def synchronize(self) -> None:
         self._queue.join()
@@ -156,6 +187,7 @@ class SimDevice:
         self._rng = random.Random(seed)
         self._rng_lock = threading.Lock()
         self._engines = {"h2d": threading.Lock(), "d2h": threading.Lock()}  # one copy engine per direction
+        self._engine_free = {"h2d": 0.0, "d2h": 0.0}  # model time each engine finishes its last copy
         self._device_storage: dict[int, str] = {}  # storage address -> ledger name
         self._names = itertools.count()
         self._streams: list[SimStream] = []
@@ -254,16 +286,20 @@ class SimDevice:
         stream = stream or self.default_stream
         label = name or direction
 
-        def op() -> None:
+        def op(floor: float) -> float:
             if engine:
                 engine.acquire()
             try:
-                start = self.trace.now()
+                start = max(floor, self._engine_free.get(direction, 0.0))
+                _sleep_until(start)
                 dst.copy_(src)
-                remaining = seconds - (self.trace.now() - start)
-                if remaining > 0:
-                    time.sleep(remaining)
-                self.trace.record(lane_of(direction), label, start, self.trace.now(), nbytes)
+                end = max(start + seconds, time.perf_counter())  # later only if the real copy was slower
+                _sleep_until(end)
+                if engine:
+                    self._engine_free[direction] = end
+                origin = self.trace.origin
+                self.trace.record(lane_of(direction), label, start - origin, end - origin, nbytes)
+                return end
             finally:
                 if engine:
                     engine.release()
@@ -284,14 +320,15 @@ class SimDevice:
         if not callable(fn):
             raise TypeError(f"launch needs a function, got {type(fn).__name__}")
 
-        def op() -> None:
-            start = self.trace.now()
+        def op(floor: float) -> float:
+            _sleep_until(floor)
+            # modelled kernels start when their stream allows; unmodelled ones when the thread gets there
+            start = floor if duration is not None else time.perf_counter()
             fn(*args, **kwargs)
-            if duration is not None:
-                remaining = duration - (self.trace.now() - start)
-                if remaining > 0:
-                    time.sleep(remaining)
-            self.trace.record(lane, name, start, self.trace.now())
+            end = max(start + (duration or 0.0), time.perf_counter())  # the real work may take longer
+            _sleep_until(end)
+            self.trace.record(lane, name, start - self.trace.origin, end - self.trace.origin)
+            return end
 
         (stream or self.default_stream)._enqueue(op)
 

@@ -108,9 +108,10 @@ def test_event_timestamps_are_monotonic_along_a_stream(dev):
     assert all(e.query() for e in events)
 
 
-def test_an_error_inside_stream_work_surfaces_at_synchronize(dev):
-    dev.launch(dev.stream("s"), lambda: 1 / 0, name="boom")
-    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+def test_an_error_inside_stream_work_is_reported_once(dev):
+    # sim: the worker thread hits it and synchronize() reports it; cuda: the host-side Python raises at launch
+    with pytest.raises((RuntimeError, ZeroDivisionError), match="ZeroDivisionError|division by zero"):
+        dev.launch(dev.stream("s"), lambda: 1 / 0, name="boom")
         dev.synchronize()
     dev.synchronize()  # reported once, then the device is usable again
 

@@ -26,10 +26,11 @@ def bf16_to_f32(bits: np.uint16) -> np.float32:
 @numba.njit(inline="always", cache=True)
 def f32_to_bf16(value: np.float32) -> np.uint16:
     bits = np.float32(value).view(np.uint32)
-    if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN: keep sign, quiet, drop payload
-        return np.uint16((bits >> np.uint32(16)) | np.uint32(0x0040))
     rounding_bias = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))  # ties to even
-    return np.uint16((bits + rounding_bias) >> np.uint32(16))
+    rounded = (bits + rounding_bias) >> np.uint32(16)
+    quiet_nan = (bits >> np.uint32(16)) | np.uint32(0x0040)  # NaN: keep sign, set the quiet bit, drop payload
+    # a select, not a branch, so the loop around it vectorizes
+    return np.uint16(quiet_nan if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded)
 
 
 @numba.njit(inline="always", cache=True)

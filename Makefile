@@ -59,7 +59,8 @@ lab: $(VENV_STAMP)
 
 bench: $(VENV_STAMP)
 	@benches="$(filter-out bench/gpu_check.py bench/common.py,$(wildcard bench/*.py))"; \
-	[ -n "$$benches" ] || echo "no benchmarks yet (chapter 1 has nothing to time)"; \
+	[ -n "$$benches" ] || echo "no benchmarks yet"; \
+	echo "(bench/adam.py compares with DeepSpeed when it is installed: see bench/README.md)"; \
 	for b in $$benches; do $(BIN)/python $$b || exit 1; done
 
 clean:

@@ -52,6 +52,7 @@ def strip_solutions(source: str, where: str = "cell") -> str:
 def student_notebook(solution_path: Path) -> nbformat.NotebookNode:
     nb = nbformat.read(solution_path, as_version=4)
     for index, cell in enumerate(nb.cells):
+        cell.metadata.pop("execution", None)  # run timestamps: they would make every re-run a change
         if cell.cell_type != "code":
             continue
         cell.source = strip_solutions(cell.source, f"{solution_path.name} cell {index}")

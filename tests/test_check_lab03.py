@@ -1,0 +1,179 @@
+"""Lab 3 verdicts: right answers pass, plausible mistakes fail with a reason, stubs say TODO."""
+
+import math
+
+import numpy as np
+import pytest
+
+from minioffload import check
+from minioffload.check import lab03
+
+
+def stub(*args):
+    raise NotImplementedError("Task")
+
+
+# ---------------------------------------------------------------------------------------------
+# reference answers
+
+
+def step_constants(step, lr, beta1, beta2):
+    if step < 1:
+        raise ValueError(f"step must be >= 1, got {step}")
+    return lr / (1 - beta1**step), math.sqrt(1 - beta2**step)
+
+
+def adam_element(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay):
+    step_size, bias_correction2_sqrt = step_constants(step, lr, beta1, beta2)
+    p = p * (1 - lr * weight_decay)
+    m = m + (1 - beta1) * (g - m)
+    v = v * beta2 + (1 - beta2) * g * g
+    denom = math.sqrt(v) / bias_correction2_sqrt + eps
+    return p - step_size * m / denom, m, v
+
+
+def to_bf16_bits(bits):
+    if (bits & 0x7FFFFFFF) > 0x7F800000:
+        return (bits >> 16) | 0x0040
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+
+
+BYTES = {"adam_fused": 28, "adam_mixed": 28, "three_pass": 40, "adam_inplace": 120}
+
+REFERENCE = {"3.1": step_constants, "3.2": adam_element, "3.3": to_bf16_bits, "3.4": BYTES.__getitem__}
+
+
+# ---------------------------------------------------------------------------------------------
+# plausible mistakes, each with a phrase its verdict must contain
+
+
+def no_bias_correction(step, lr, beta1, beta2):
+    if step < 1:
+        raise ValueError("step")
+    return lr, 1.0
+
+
+def no_validation(step, lr, beta1, beta2):
+    return lr / (1 - beta1**step), math.sqrt(1 - beta2**step)
+
+
+def refuses_only_zero(step, lr, beta1, beta2):
+    if step == 0:
+        raise ValueError("step")
+    return no_validation(step, lr, beta1, beta2)
+
+
+def in_float32(step, lr, beta1, beta2):
+    if step < 1:
+        raise ValueError("step")
+    f = np.float32
+    return float(f(lr) / (f(1) - f(beta1) ** step)), float(np.sqrt(f(1) - f(beta2) ** step))
+
+
+def element_without_bias_correction(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay):
+    p = p * (1 - lr * weight_decay)
+    m = m + (1 - beta1) * (g - m)
+    v = v * beta2 + (1 - beta2) * g * g
+    return p - lr * m / (math.sqrt(v) + eps), m, v
+
+
+def element_eps_inside_sqrt(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay):
+    step_size, bias_correction2_sqrt = step_constants(step, lr, beta1, beta2)
+    p = p * (1 - lr * weight_decay)
+    m = m + (1 - beta1) * (g - m)
+    v = v * beta2 + (1 - beta2) * g * g
+    return p - step_size * m / math.sqrt(v / bias_correction2_sqrt**2 + eps), m, v
+
+
+def element_l2_decay(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay):
+    return adam_element(p, g + weight_decay * p, m, v, step, lr, beta1, beta2, eps, 0.0)
+
+
+def element_forgot_one_minus_beta2(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay):
+    step_size, bias_correction2_sqrt = step_constants(step, lr, beta1, beta2)
+    p = p * (1 - lr * weight_decay)
+    m = m + (1 - beta1) * (g - m)
+    v = v * beta2 + g * g
+    return p - step_size * m / (math.sqrt(v) / bias_correction2_sqrt + eps), m, v
+
+
+def bf16_truncate(bits):
+    return bits >> 16
+
+
+def bf16_ties_away(bits):
+    if (bits & 0x7FFFFFFF) > 0x7F800000:
+        return 0x7FC0
+    return (bits + 0x8000) >> 16
+
+
+def bf16_forgot_nan(bits):
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+
+
+def bf16_as_float_bits(bits):  # returns the 16 bits in the wrong half: the low ones
+    return to_bf16_bits(bits) << 16
+
+
+WRONG = [  # (task, function, a phrase the verdict must contain)
+    ("3.1", no_bias_correction, "step_size is 0.001, expected 0.01"),
+    ("3.1", no_validation, "raised ZeroDivisionError; expected ValueError"),
+    ("3.1", refuses_only_zero, "raised ValueError('math domain error'); expected a ValueError of your own"),
+    ("3.1", in_float32, "in float64"),
+    ("3.1", lambda *args: step_constants(*args)[0], "expected a tuple"),
+    ("3.2", element_without_bias_correction, "p (param) differs first, at step 1"),
+    ("3.2", element_eps_inside_sqrt, "p (param) differs first, at step 1"),
+    ("3.2", element_l2_decay, "m (exp_avg) differs first, at step 1"),
+    ("3.2", element_forgot_one_minus_beta2, "v (exp_avg_sq) differs first, at step 1"),
+    ("3.2", lambda *args: adam_element(*args)[0], "expected a tuple (p, m, v)"),
+    ("3.3", bf16_truncate, "just above halfway: round up] returned 0x3F80, expected 0x3F81"),
+    ("3.3", bf16_ties_away, "exactly halfway, the kept part is even"),
+    ("3.3", bf16_forgot_nan, "expected a NaN"),
+    ("3.3", bf16_as_float_bits, "fits in 16 bits"),
+    ("3.3", lambda bits: float(to_bf16_bits(bits)), "expected an int"),
+    ("3.4", {**BYTES, "adam_fused": 16}.__getitem__, "16 B is what Adam keeps"),
+    ("3.4", {**BYTES, "adam_mixed": 32}.__getitem__, "write fp32 master 4 + exp_avg 4 + exp_avg_sq 4 + bf16 weights 2"),
+    ("3.4", {**BYTES, "three_pass": 28}.__getitem__, "upcast: read bf16 grad 2, write fp32 grad 4"),
+    ("3.4", {**BYTES, "adam_inplace": 124}.__getitem__, "scratch = multiply(grad, grad): read grad 4, write scratch 4"),
+]
+
+
+@pytest.mark.parametrize("task_id", sorted(REFERENCE))
+def test_reference_passes(task_id):
+    verdict = check.grade(task_id, REFERENCE[task_id])
+    assert verdict.passed, str(verdict)
+    assert str(verdict).startswith(f"PASS Task {task_id}: ")
+
+
+@pytest.mark.parametrize("task_id, fn, phrase", WRONG, ids=lambda x: getattr(x, "__name__", None))
+def test_plausible_mistake_fails_with_a_reason(task_id, fn, phrase):
+    verdict = check.grade(task_id, fn)
+    assert verdict.status == "FAIL" and "expected" in verdict.detail, str(verdict)
+    assert phrase in verdict.detail, str(verdict)
+
+
+@pytest.mark.parametrize("task_id", sorted(REFERENCE))
+def test_stub_is_todo(task_id):
+    assert check.grade(task_id, stub).status == "TODO"
+
+
+def test_any_nan_pattern_is_accepted_for_a_nan():
+    def other_nans(bits):
+        return 0xFFFF if (bits & 0x7FFFFFFF) > 0x7F800000 else to_bf16_bits(bits)
+    assert check.grade("3.3", other_nans).passed
+
+
+def test_the_runtime_rounding_is_what_task_3_3_asks_for():
+    from minioffload.lowp import f32_to_bf16
+    assert check.grade("3.3", lambda bits: int(f32_to_bf16(np.array([bits], np.uint32).view(np.float32)[0]))).passed
+
+
+def test_the_in_place_count_is_thirteen_numpy_passes_of_120_bytes():
+    passes = lab03.inplace_passes()
+    assert len(passes) == 13 and lab03._total(passes) == 120
+    assert passes[4] == ("scratch = multiply(grad, grad)", [("grad", 4)], [("scratch", 4)])
+    assert passes[-1] == ("param = subtract(param, scratch)", [("param", 4), ("scratch", 4)], [("param", 4)])
+
+
+def test_verdicts_are_the_same_on_every_run():
+    assert all(str(check.grade(t, fn)) == str(check.grade(t, fn)) for t, fn in REFERENCE.items())

@@ -24,6 +24,7 @@ What this is not: an optimizer class (that is chapter 4's `OffloadAdam`); no AMS
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numba
@@ -86,16 +87,22 @@ def _constants(step, lr, beta1, beta2, eps, weight_decay, decoupled) -> tuple:
             f(0.0) if decoupled else f(weight_decay))
 
 
+def _numpy_version(body):
+    """Give a NumPy body the shared signature: argument checks first, then inf/NaN propagating silently."""
+
+    @functools.wraps(body)
+    def version(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float = 1e-3, beta1: float = 0.9,
+                beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = True) -> None:
+        _hyper(step, lr, beta1, beta2, eps, weight_decay)
+        arrays = _arrays(param, grad, exp_avg, exp_avg_sq)
+        with np.errstate(all="ignore"):  # inf and NaN propagate as in torch, without warnings
+            body(*arrays, step, lr, beta1, beta2, eps, weight_decay, decoupled)
+
+    return version
+
+
 # ---------------------------------------------------------------------------------------------
 # 1. reference: readable, with temporaries
-
-
-def adam_ref(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float = 1e-3, beta1: float = 0.9,
-             beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = True) -> None:
-    _hyper(step, lr, beta1, beta2, eps, weight_decay)
-    param, grad, exp_avg, exp_avg_sq = _arrays(param, grad, exp_avg, exp_avg_sq)
-    with np.errstate(all="ignore"):  # inf and NaN propagate as in torch, without warnings
-        _adam_ref(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, decoupled)
 
 
 def _adam_ref(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, decoupled) -> None:
@@ -110,16 +117,11 @@ def _adam_ref(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, wei
     param -= lr * m_hat / (np.sqrt(v_hat) + eps)
 
 
+adam_ref = _numpy_version(_adam_ref)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. in place: the same arithmetic with out=, one scratch buffer
-
-
-def adam_inplace(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float = 1e-3, beta1: float = 0.9,
-                 beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = True) -> None:
-    _hyper(step, lr, beta1, beta2, eps, weight_decay)
-    param, grad, exp_avg, exp_avg_sq = _arrays(param, grad, exp_avg, exp_avg_sq)
-    with np.errstate(all="ignore"):  # inf and NaN propagate as in torch, without warnings
-        _adam_inplace(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, decoupled)
 
 
 def _adam_inplace(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, decoupled) -> None:
@@ -143,6 +145,9 @@ def _adam_inplace(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps,
     np.divide(exp_avg, scratch, out=scratch)
     scratch *= np.float32(lr / (1 - beta1**step))
     param -= scratch
+
+
+adam_inplace = _numpy_version(_adam_inplace)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ device memory in `dev.ledger`. The simulated device is in `device_sim.py`, the C
 
 from __future__ import annotations
 
+import itertools
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -48,6 +50,18 @@ def check_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     if not dst.is_contiguous() or not src.is_contiguous():
         raise ValueError("copy needs contiguous tensors (a DMA moves one block of bytes); call .contiguous() "
                          "into a buffer first")
+
+
+def reserve(ledger, names: itertools.count, shape, dtype: torch.dtype, name: str) -> tuple[tuple[int, ...], str]:
+    """Check a device allocation and count it in `ledger`'s "device" tier (OutOfMemoryError, nothing
+    changed, if it does not fit). Returns the shape as a tuple and the ledger key to free later."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    numel = math.prod(shape)
+    if numel <= 0:
+        raise ValueError(f"device tensors need at least one element, got shape {shape}")
+    key = f"{name}#{next(names)}"
+    ledger.allocate(key, "device", numel * torch.empty(0, dtype=dtype).element_size())
+    return shape, key
 
 
 def lane_of(direction: str) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from .device import check_copy, lane_of
+from .device import check_copy, lane_of, reserve
 from .memory import Ledger, OutOfMemoryError
 from .trace import Trace
 
@@ -86,20 +86,14 @@ class CudaDevice:
         return CudaEvent()
 
     def empty(self, shape, dtype: torch.dtype = torch.float32, name: str = "tensor") -> torch.Tensor:
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        numel = 1
-        for n in shape:
-            numel *= n
-        if numel <= 0:
-            raise ValueError(f"device tensors need at least one element, got shape {shape}")
-        key = f"{name}#{next(self._names)}"
-        self.ledger.allocate(key, "device", numel * torch.empty(0, dtype=dtype).element_size())
+        shape, key = reserve(self.ledger, self._names, shape, dtype, name)
         try:
             tensor = torch.empty(shape, dtype=dtype, device=self.torch_device)
-        except torch.OutOfMemoryError as err:
+        except torch.OutOfMemoryError as err:  # the ledger allowed it, but the GPU holds other things too
+            requested = self.ledger.allocations[key].nbytes
             self.ledger.free(key)
             free, total = torch.cuda.mem_get_info(self.torch_device)
-            raise OutOfMemoryError("device", key, numel * tensor_itemsize(dtype), free, total, "") from err
+            raise OutOfMemoryError("device", key, requested, free, total, "") from err
         weakref.finalize(tensor, self.ledger.free, key).atexit = False
         return tensor
 
@@ -156,6 +150,3 @@ class CudaDevice:
     def __repr__(self) -> str:
         return f"CudaDevice({torch.cuda.get_device_name(self.torch_device)!r})"
 
-
-def tensor_itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()

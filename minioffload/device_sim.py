@@ -31,6 +31,7 @@ CPU; `duration=` pads it to a modelled kernel time when the chapter wants copy a
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import random
 import sys
@@ -41,7 +42,7 @@ from collections.abc import Callable
 
 import torch
 
-from .device import Link, check_copy, lane_of
+from .device import Link, check_copy, lane_of, reserve
 from .memory import GiB, Ledger
 from .pinned import aligned_empty, is_pinned
 from .trace import Trace
@@ -234,14 +235,7 @@ class SimDevice:
     def empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.float32,
               name: str = "tensor") -> torch.Tensor:
         """A zero-filled device tensor, counted in `ledger` until it is garbage collected."""
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        numel = 1
-        for n in shape:
-            numel *= n
-        if numel <= 0:
-            raise ValueError(f"device tensors need at least one element, got shape {shape}")
-        key = f"{name}#{next(self._names)}"
-        self.ledger.allocate(key, "device", numel * torch.empty(0, dtype=dtype).element_size())
+        shape, key = reserve(self.ledger, self._names, shape, dtype, name)
         tensor = torch.zeros(shape, dtype=dtype)  # touch every page now: device memory is resident
         address = tensor.untyped_storage().data_ptr()
         self._device_storage[address] = key
@@ -258,10 +252,7 @@ class SimDevice:
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         if not pinned:
             return torch.empty(shape, dtype=dtype)
-        numel = 1
-        for n in shape:
-            numel *= n
-        return aligned_empty(numel * torch.empty(0, dtype=dtype).element_size()).view(dtype).view(shape)
+        return aligned_empty(math.prod(shape) * torch.empty(0, dtype=dtype).element_size()).view(dtype).view(shape)
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         return tensor.untyped_storage().data_ptr() in self._device_storage

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import interleaved, stats, write  # noqa: E402
 
 from minioffload import adam, hardware  # noqa: E402  (hardware._seven_streams: the roofline kernel)
+from minioffload.lowp import from_bits  # noqa: E402
 
 FAST = ("adam_fused", "torch_fused", "deepspeed", "adam_mixed", "torch_three_pass", "roofline")
 SLOW = ("adam_ref", "adam_inplace", "torch_default", "torch_foreach")
@@ -46,6 +47,13 @@ def deepspeed_adam():
     except Exception as err:  # ImportError, or its op failing to build
         return None, f"not installed ({type(err).__name__})"
     return DeepSpeedCPUAdam, "installed"
+
+
+def zeros(n: int) -> torch.Tensor:
+    """NumPy-allocated memory for every contender's arrays, torch's optimizer state included: NumPy asks
+    the kernel for transparent huge pages on large arrays and torch's allocator does not, a 10% difference
+    in streaming speed here that must not decide the comparison."""
+    return torch.from_numpy(np.zeros(n, np.float32))
 
 
 def contenders(n: int, threads: int) -> tuple[dict, dict]:
@@ -66,6 +74,7 @@ def contenders(n: int, threads: int) -> tuple[dict, dict]:
         p = torch.nn.Parameter(torch.from_numpy(param.copy()))
         p.grad = torch.from_numpy(grad)
         opt = torch.optim.AdamW([p], lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], **options)
+        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": zeros(n), "exp_avg_sq": zeros(n)}
         return opt.step
 
     runs = {"adam_ref": ours(adam.adam_ref), "adam_inplace": ours(adam.adam_inplace),
@@ -78,14 +87,17 @@ def contenders(n: int, threads: int) -> tuple[dict, dict]:
     if cls is not None:
         p = torch.nn.Parameter(torch.from_numpy(param.copy()))
         p.grad = torch.from_numpy(grad)
-        runs["deepspeed"] = cls([p], lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], adamw_mode=True).step
+        opt = cls([p], lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], adamw_mode=True)
+        opt.state[p] = {"step": 0, "exp_avg": zeros(n), "exp_avg_sq": zeros(n)}
+        runs["deepspeed"] = opt.step
         kinds["deepspeed"] = "fp32"
 
     # mixed precision: bf16 gradient in, bf16 weights out, fp32 master and state
-    grad_bf16 = torch.from_numpy(grad).to(torch.bfloat16)
-    weights_bf16 = torch.empty(n, dtype=torch.bfloat16)
+    grad_bf16 = from_bits(np.empty(n, np.uint16), "bf16")
+    grad_bf16.copy_(torch.from_numpy(grad))
+    weights_bf16 = from_bits(np.empty(n, np.uint16), "bf16")
     master = torch.from_numpy(param.copy())
-    m16, v16 = torch.zeros(n), torch.zeros(n)
+    m16, v16 = zeros(n), zeros(n)
     mixed_steps = {"count": 0}
 
     def mixed():
@@ -93,9 +105,10 @@ def contenders(n: int, threads: int) -> tuple[dict, dict]:
         adam.adam_mixed(master, grad_bf16, m16, v16, weights_bf16, dtype="bf16", step=mixed_steps["count"], **HYPER)
 
     composed_master = torch.nn.Parameter(torch.from_numpy(param.copy()))
-    composed_master.grad = torch.empty(n)
+    composed_master.grad = zeros(n)
     composed_opt = torch.optim.AdamW([composed_master], lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
                                      fused=True)
+    composed_opt.state[composed_master] = {"step": torch.tensor(0.0), "exp_avg": zeros(n), "exp_avg_sq": zeros(n)}
 
     def three_pass():
         composed_master.grad.copy_(grad_bf16)  # pass 1: upcast the gradient (read 2 B, write 4 B)
@@ -119,22 +132,10 @@ def timed(fn):
     return run
 
 
-def same_pages_for_everyone() -> None:
-    """NumPy asks the kernel for transparent huge pages on large arrays; torch's allocator does not. Huge
-    pages stream about 10% faster here, which would favour our NumPy-backed arrays over torch's own state.
-    Turn NumPy's request off so every contender runs on ordinary pages."""
-    try:
-        from numpy._core.multiarray import _set_madvise_hugepage
-    except ImportError:  # NumPy < 2
-        from numpy.core.multiarray import _set_madvise_hugepage
-    _set_madvise_hugepage(False)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="10M parameters only, 3 rounds (under a minute)")
     args = parser.parse_args()
-    same_pages_for_everyone()
     sizes = [10_000_000] if args.quick else [10_000_000, 50_000_000, 100_000_000]
     thread_counts = sorted({1, numba.config.NUMBA_NUM_THREADS})
     rounds = 3 if args.quick else 5

@@ -59,13 +59,12 @@ def _array(x, name: str, dtype=np.float32) -> np.ndarray:
 def _hyper(step, lr, beta1, beta2, eps, weight_decay) -> None:
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
         raise ValueError(f"step must be an integer >= 1 (the count of updates including this one), got {step!r}")
-    checks = [(lr, "lr", 0 <= lr < math.inf), (beta1, "beta1", 0 <= beta1 < 1), (beta2, "beta2", 0 <= beta2 < 1),
-              (eps, "eps", 0 < eps < math.inf), (weight_decay, "weight_decay", 0 <= weight_decay < math.inf)]
-    for value, name, ok in checks:
+    checks = [("lr", lr, 0 <= lr < math.inf, ">= 0"), ("beta1", beta1, 0 <= beta1 < 1, "in [0, 1)"),
+              ("beta2", beta2, 0 <= beta2 < 1, "in [0, 1)"), ("eps", eps, 0 < eps < math.inf, "> 0"),
+              ("weight_decay", weight_decay, 0 <= weight_decay < math.inf, ">= 0")]
+    for name, value, ok, allowed in checks:
         if not ok:  # NaN fails every comparison, so it lands here too
-            allowed = {"lr": ">= 0", "beta1": "in [0, 1)", "beta2": "in [0, 1)", "eps": "> 0",
-                       "weight_decay": ">= 0"}[name]
-            raise ValueError(f"{name} must be {allowed}, got {value!r}")
+            raise ValueError(f"{name} must be {allowed} and finite, got {value!r}")
 
 
 def _arrays(param, grad, exp_avg, exp_avg_sq, grad_dtype=np.float32):

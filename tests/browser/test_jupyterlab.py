@@ -47,6 +47,7 @@ def lab(tmp_path_factory):
     work = tmp_path_factory.mktemp("lab")
     shutil.copy(ROOT / "book" / "chapters" / "01_memory_wall.ipynb", work)
     shutil.copy(ROOT / "exercises" / "lab01_memory.ipynb", work)
+    shutil.copy(ROOT / "book" / "chapters" / "02_moving_bytes.ipynb", work)
     # JupyterLab 4 renders only the cells in view; render them all so every output is in the page.
     settings = work / "settings" / "@jupyterlab" / "notebook-extension"
     settings.mkdir(parents=True)
@@ -135,4 +136,21 @@ def test_lab_one_student_copy_says_todo_for_every_task(browser, lab):
     verdicts = [line for line in lines if line.split(" ")[0] in ("PASS", "FAIL", "TODO")]
     assert verdicts and all(v.startswith("TODO Task 1.") for v in verdicts), verdicts
     assert len(verdicts) == 4
+    page.close()
+
+
+def test_chapter_two_runs_in_jupyterlab_and_its_timeline_explorer_redraws(browser, lab):
+    lines, page = run_all(browser, lab, "02_moving_bytes.ipynb", "PASS waiting on an event never recorded")
+    verdicts = [line for line in lines if line.startswith(("PASS ", "FAIL "))]
+    assert len(verdicts) >= 9 and all(v.startswith("PASS ") for v in verdicts), verdicts
+    assert page.locator('[data-mime-type="application/vnd.jupyter.error"]').count() == 0, "a cell raised"
+    # untick a lane in the explorer: its figure is drawn again without that lane
+    image = page.locator(".widget-output img").first
+    image.scroll_into_view_if_needed()
+    before = image.get_attribute("src")
+    page.locator(".widget-checkbox input").first.uncheck()
+    page.wait_for_function(
+        "before => { const i = document.querySelector('.widget-output img');"
+        " return i !== null && i.getAttribute('src') !== before; }", arg=before, timeout=30_000)
+    page.screenshot(path=str(SHOTS / "02_moving_bytes_widget.png"))
     page.close()

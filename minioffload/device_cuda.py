@@ -103,6 +103,23 @@ class CudaDevice:
     def is_device(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cuda"
 
+    def adopt(self, tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
+        """Count an existing CUDA tensor in `ledger` (it stays where it is)."""
+        if tensor.device.type != "cuda":
+            raise ValueError(f"{name} is on {tensor.device}; move it with .to('cuda') before adopting it")
+        _, key = reserve(self.ledger, self._names, tuple(tensor.shape), tensor.dtype, name)
+        weakref.finalize(tensor, self.ledger.free, key).atexit = False
+        return tensor
+
+    def stream_waits_for_compute(self, stream: CudaStream) -> None:
+        """Make `stream` wait for the work already queued on torch's current stream (e.g. backward)."""
+        stream.stream.wait_stream(torch.cuda.current_stream(self.torch_device))
+
+    def compute_waits_for(self, event: CudaEvent) -> None:
+        """Make work queued next on torch's current stream (e.g. the forward) wait for `event`."""
+        event._check("the compute stream")
+        torch.cuda.current_stream(self.torch_device).wait_event(event.event)
+
     def _timed(self, stream: CudaStream, lane: str, name: str, nbytes: int, work: Callable[[], None]) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream.stream):

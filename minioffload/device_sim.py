@@ -257,6 +257,24 @@ class SimDevice:
     def is_device(self, tensor: torch.Tensor) -> bool:
         return tensor.untyped_storage().data_ptr() in self._device_storage
 
+    def adopt(self, tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
+        """Count an existing CPU tensor as device memory (a model "moved to" the sim device)."""
+        address = tensor.untyped_storage().data_ptr()
+        if address in self._device_storage:
+            return tensor
+        _, key = reserve(self.ledger, self._names, tuple(tensor.shape), tensor.dtype, name)
+        self._device_storage[address] = key
+        weakref.finalize(tensor, self._release, address, key).atexit = False
+        return tensor
+
+    # the host thread is the sim's compute stream: autograd and the forward run there -------------
+    def stream_waits_for_compute(self, stream: SimStream) -> None:
+        """Make `stream` wait for the compute issued so far. On the sim, compute has already run."""
+
+    def compute_waits_for(self, event: SimEvent) -> None:
+        """Make the next compute wait for `event`: on the sim, the host blocks until it is reached."""
+        event.synchronize()
+
     # work -------------------------------------------------------------------------------------
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: SimStream | None = None,
              name: str | None = None) -> None:

@@ -1,0 +1,213 @@
+"""OffloadAdam: AdamW with fp32 master weights and moments in pinned host memory, updated on the CPU.
+
+    opt = OffloadAdam(model.parameters(), dev, lr=1e-3, subgroup_numel=1 << 20)
+    loss.backward()          # each gradient is copied to the host on a copy stream as soon as it is ready
+    opt.step()               # per subgroup: CPU Adam, then the new weights go back on another copy stream
+    opt.zero_grad()
+
+The flow of one step (every arrow a span in `dev.trace`):
+  backward -> post-accumulate-grad hook -> D2H of that gradient into pinned staging (device gradient
+  released) -> step(): wait for each subgroup's copies, add them into its fp32 gradient -> global norm
+  for clipping -> CPU Adam (chapter 3) on the subgroup -> its weights (in the model's dtype) H2D on a copy
+  stream while the CPU updates the next subgroup -> the next forward waits for the last copy, not earlier.
+
+Parameters are packed into subgroups of about `subgroup_numel` elements: one flat pinned buffer each for
+the fp32 master weights, exp_avg, exp_avg_sq and gradient, so the CPU Adam runs one call per subgroup.
+Gradients accumulate on the host across micro-batches (each backward's gradient is offloaded and added
+in fp32), so accumulation never holds a device gradient between backward passes.
+
+What this is not, yet: fp16 loss scaling, the one-step delayed update, tiny parameters kept on the
+device, and state_dict/load_state_dict (chapter 4's remaining parts).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .adam import adam_fused
+
+
+@dataclass
+class _Slot:
+    """Where one parameter lives inside its subgroup's flat buffers."""
+
+    param: torch.nn.Parameter
+    group: dict
+    subgroup: _Subgroup
+    offset: int
+    numel: int
+    step: int = 0
+    pending: list = field(default_factory=list)  # (event, staging view) of copies not yet added in
+    has_grad: bool = False  # a gradient arrived since the last step
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.offset: self.offset + self.numel]
+
+
+@dataclass
+class _Subgroup:
+    numel: int
+    slots: list[_Slot] = field(default_factory=list)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (numel,) pinned host tensor
+
+
+class OffloadAdam(torch.optim.Optimizer):
+    """AdamW whose state lives in pinned host memory and whose update runs on the CPU.
+
+    `dev` is a minioffload device (sim or cuda) holding the model's parameters. `max_grad_norm` clips by
+    the global norm (like `torch.nn.utils.clip_grad_norm_`) before the update; None turns clipping off.
+    """
+
+    def __init__(self, params, dev, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01, subgroup_numel: int = 1 << 22,
+                 max_grad_norm: float | None = None):
+        if subgroup_numel < 1:
+            raise ValueError(f"subgroup_numel must be at least 1, got {subgroup_numel}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive (or None to turn clipping off), got {max_grad_norm}")
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if not trainable:
+            raise ValueError("OffloadAdam got no parameter that requires a gradient; pass model.parameters()")
+        placements = {"device" if dev.is_device(p) else "host" for p in trainable}
+        if placements != {"device"}:
+            raise ValueError("every parameter must be on the device before OffloadAdam takes it: call "
+                             "dev.adopt(p) for each (sim) or model.to('cuda') (cuda)")
+        self.dev, self.subgroup_numel, self.max_grad_norm = dev, subgroup_numel, max_grad_norm
+        self.d2h, self.h2d = dev.stream("offload d2h"), dev.stream("offload h2d")
+        self.last_grad_norm: float | None = None
+        self._uploaded = None  # event after the last H2D: the next forward waits for it
+        self._slots: dict[torch.nn.Parameter, _Slot] = {}
+        self.subgroups: list[_Subgroup] = []
+        self._pack()
+        for slot in self._slots.values():
+            slot.param.register_post_accumulate_grad_hook(self._offload_grad)
+
+    # layout -------------------------------------------------------------------------------------
+    def _pack(self) -> None:
+        current = None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad or p in self._slots:
+                    continue  # frozen, or the same (tied) parameter listed twice
+                if current is None or (current.numel and current.numel + p.numel() > self.subgroup_numel):
+                    current = _Subgroup(0)
+                    self.subgroups.append(current)
+                slot = _Slot(p, group, current, current.numel, p.numel())
+                current.slots.append(slot)
+                current.numel += p.numel()
+                self._slots[p] = slot
+        for sub in self.subgroups:
+            dtypes = {s.param.dtype for s in sub.slots}
+            host = {name: self.dev.host_empty(sub.numel) for name in ("master", "exp_avg", "exp_avg_sq", "grad")}
+            host["exp_avg"].zero_()
+            host["exp_avg_sq"].zero_()
+            host["grad"].zero_()
+            for dtype in dtypes:  # staging: gradients arrive here, and 16-bit weights leave from here
+                host[f"staging {dtype}"] = self.dev.host_empty(sub.numel, dtype)
+            for slot in sub.slots:
+                slot.view(host["master"]).copy_(slot.param.detach().reshape(-1).float().cpu())
+            sub.buffers = host
+
+    def _staging(self, slot: _Slot) -> torch.Tensor:
+        """Pinned host memory for this parameter's gradient and weights in the model's dtype."""
+        return slot.view(slot.subgroup.buffers[f"staging {slot.param.dtype}"]).view(slot.param.shape)
+
+    # backward: gradients leave the device as soon as they are ready ----------------------------
+    def _offload_grad(self, param: torch.nn.Parameter) -> None:
+        slot = self._slots[param]
+        self._add_pending(slot)  # a previous micro-batch's copy must be added in before its staging is reused
+        grad, param.grad = param.grad.contiguous(), None  # the device gradient goes once its copy is done
+        self.dev.adopt(grad, "grad")  # autograd made it on the device: count it there until it is freed
+        staging = self._staging(slot)
+        self.dev.stream_waits_for_compute(self.d2h)
+        self.dev.copy(staging, grad, self.d2h, name="d2h grad")
+        if grad.is_cuda:
+            grad.record_stream(self.d2h.stream)  # keep the allocator from reusing it during the copy
+        done = self.dev.event()
+        done.record(self.d2h)
+        slot.pending.append((done, staging))
+        slot.has_grad = True
+
+    def _add_pending(self, slot: _Slot) -> None:
+        for done, staging in slot.pending:
+            done.synchronize()  # never read an in-flight copy
+            slot.view(slot.subgroup.buffers["grad"]).add_(staging.reshape(-1).float())
+        slot.pending.clear()
+
+    # step ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for slot in self._slots.values():
+            self._add_pending(slot)
+        coef = self._clip_coefficient()
+        for sub in self.subgroups:
+            self._update(sub, coef)
+            self._upload(sub)
+        self._uploaded = self.dev.event()
+        self._uploaded.record(self.h2d)
+        self.dev.compute_waits_for(self._uploaded)  # the next forward reads the new weights, not the old
+        for slot in self._slots.values():
+            slot.has_grad = False
+        for sub in self.subgroups:
+            sub.buffers["grad"].zero_()
+        return loss
+
+    def _clip_coefficient(self) -> float:
+        """Global L2 norm over every subgroup's gradient (partial sums, one combine); 1.0 without clipping."""
+        squares = sum(float(sub.buffers["grad"].double().square().sum()) for sub in self.subgroups)
+        self.last_grad_norm = math.sqrt(squares)
+        if self.max_grad_norm is None:
+            return 1.0
+        return min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))  # as clip_grad_norm_ does
+
+    def _update(self, sub: _Subgroup, coef: float) -> None:
+        buffers = sub.buffers
+        if coef != 1.0:
+            buffers["grad"].mul_(coef)
+        # one call for the whole subgroup when its parameters agree; else one per parameter
+        slots = [s for s in sub.slots if s.has_grad]
+        for s in slots:
+            s.step += 1
+        runs = [sub.slots] if len(slots) == len(sub.slots) and len({(s.step, id(s.group)) for s in slots}) == 1 \
+            else [[s] for s in slots]
+        with self.dev.trace.span("cpu", f"adam {sub.numel / 1e6:.2f}M", 28 * sub.numel):
+            for run in runs:
+                first, last = run[0], run[-1]
+                span = slice(first.offset, last.offset + last.numel)
+                group = first.group
+                adam_fused(buffers["master"][span], buffers["grad"][span], buffers["exp_avg"][span],
+                           buffers["exp_avg_sq"][span], step=first.step, lr=group["lr"], beta1=group["betas"][0],
+                           beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"])
+
+    def _upload(self, sub: _Subgroup) -> None:
+        for slot in sub.slots:
+            if not slot.has_grad:
+                continue
+            master = slot.view(sub.buffers["master"]).view(slot.param.shape)
+            if slot.param.dtype == torch.float32:
+                source = master
+            else:
+                source = self._staging(slot)
+                source.copy_(master)  # round to the model's dtype (nearest even), on the CPU
+            self.dev.copy(slot.param.data, source, self.h2d, name="h2d weights")
+
+    def master_weights(self) -> list[torch.Tensor]:
+        """The fp32 master copy of each trainable parameter, in the order the optimizer holds them."""
+        return [slot.view(slot.subgroup.buffers["master"]).view(slot.param.shape) for slot in self._slots.values()]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for slot in self._slots.values():
+            self._add_pending(slot)
+            slot.param.grad = None
+        for sub in self.subgroups:
+            sub.buffers["grad"].zero_()
+        for slot in self._slots.values():
+            slot.has_grad = False

@@ -1,0 +1,203 @@
+"""OffloadAdam trains exactly like torch's AdamW: fp32 and bf16 models, accumulation, clipping, odd parameters."""
+
+import pytest
+import torch
+from torch import nn
+
+from minioffload.device import device
+from minioffload.offload import OffloadAdam
+
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+
+
+class Toy(nn.Module):
+    """Embedding -> MLP -> a head tied to the embedding; an unused branch and a frozen bias for the odd cases."""
+
+    def __init__(self, vocab=11, width=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.side = nn.Linear(width, width)  # used only when asked: a parameter that sometimes gets no gradient
+        self.frozen = nn.Parameter(torch.zeros(width), requires_grad=False)
+
+    def forward(self, idx, use_side=False):
+        h = self.embed(idx)
+        h = h + self.mlp(h) + self.frozen
+        if use_side:
+            h = h + self.side(h)
+        return h @ self.embed.weight.T  # tied head
+
+
+def batch(seed, n=8, seq=6, vocab=11):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, seq), generator=g), torch.randint(0, vocab, (n, seq), generator=g)
+
+
+def loss_of(model, idx, targets, use_side=False):
+    logits = model(idx, use_side)
+    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def on_sim(model, dev):
+    for p in model.parameters():
+        dev.adopt(p, "param")
+    return model
+
+
+def train(model, opt, steps, micro_batches=1, use_side=lambda step: False, clip=None):
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(micro_batches):
+            idx, targets = batch(100 * step + micro)
+            loss = loss_of(model, idx, targets, use_side(step)) / micro_batches
+            loss.backward()
+            total += loss.item()
+        if clip is not None:  # torch's reference clips here; OffloadAdam clips inside step()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def pair(seed=0, **kwargs):
+    torch.manual_seed(seed)
+    ours = Toy()
+    theirs = Toy()
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+@pytest.mark.parametrize("subgroup_numel", [1 << 20, 300])
+def test_fp32_training_matches_torch_adamw(micro_batches, subgroup_numel):
+    ours, theirs = pair()
+    with device("sim") as dev:
+        opt = OffloadAdam(on_sim(ours, dev).parameters(), dev, subgroup_numel=subgroup_numel, **HYPER)
+        ours_losses = train(ours, opt, 5, micro_batches)
+        if subgroup_numel == 300:
+            assert len(opt.subgroups) > 3
+    theirs_losses = train(theirs, torch.optim.AdamW(theirs.parameters(), foreach=False, **HYPER), 5, micro_batches)
+    torch.testing.assert_close(torch.tensor(ours_losses), torch.tensor(theirs_losses), rtol=1e-5, atol=1e-6)
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
+
+
+def test_accumulated_micro_batches_equal_one_big_batch():
+    ours, theirs = pair()
+    with device("sim") as dev:
+        opt = OffloadAdam(on_sim(ours, dev).parameters(), dev, **HYPER)
+        for step in range(3):
+            for micro in range(2):  # two halves of one batch
+                idx, targets = batch(step)
+                half = slice(4 * micro, 4 * micro + 4)
+                (loss_of(ours, idx[half], targets[half]) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+    ref = torch.optim.AdamW(theirs.parameters(), foreach=False, **HYPER)
+    for step in range(3):
+        idx, targets = batch(step)
+        loss_of(theirs, idx, targets).backward()
+        ref.step()
+        ref.zero_grad()
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_clipping_equals_clip_grad_norm():
+    ours, theirs = pair()
+    with device("sim") as dev:
+        opt = OffloadAdam(on_sim(ours, dev).parameters(), dev, max_grad_norm=0.5, **HYPER)
+        train(ours, opt, 4)
+        assert opt.last_grad_norm > 0.5  # the clip did something
+    train(theirs, torch.optim.AdamW(theirs.parameters(), foreach=False, **HYPER), 4, clip=0.5)
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_frozen_tied_and_sometimes_unused_parameters_behave_as_in_torch():
+    ours, theirs = pair()
+    def side_in(step):  # the side branch gets a gradient in step 1 only
+        return step == 1
+
+    with device("sim") as dev:
+        opt = OffloadAdam(on_sim(ours, dev).parameters(), dev, **HYPER)
+        assert ours.frozen not in opt._slots  # frozen: never offloaded
+        assert sum(s.param is ours.embed.weight for sub in opt.subgroups for s in sub.slots) == 1  # tied: once
+        train(ours, opt, 4, use_side=side_in)
+        steps = {name: opt._slots[p].step for name, p in ours.named_parameters() if p.requires_grad}
+    train(theirs, torch.optim.AdamW(theirs.parameters(), foreach=False, **HYPER), 4, use_side=side_in)
+    assert steps["side.weight"] == 1 and steps["mlp.0.weight"] == 4
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
+
+
+def test_bf16_model_follows_the_fp32_master_trajectory_of_torch_adamw():
+    torch.manual_seed(0)
+    ours = Toy().to(torch.bfloat16)
+    theirs = Toy().to(torch.bfloat16)
+    theirs.load_state_dict(ours.state_dict())
+    masters = [p.detach().float().clone().requires_grad_(True) for p in theirs.parameters() if p.requires_grad]
+    ref = torch.optim.AdamW(masters, foreach=False, **HYPER)
+    with device("sim") as dev:
+        opt = OffloadAdam(on_sim(ours, dev).parameters(), dev, **HYPER)
+        train(ours, opt, 4)
+        ours_masters = opt.master_weights()
+    for step in range(4):
+        idx, targets = batch(100 * step)
+        loss_of(theirs, idx, targets).backward()
+        trainable = [p for p in theirs.parameters() if p.requires_grad]
+        for master, p in zip(masters, trainable, strict=True):
+            master.grad = None if p.grad is None else p.grad.float()  # the unused branch gets none
+            p.grad = None
+        ref.step()
+        with torch.no_grad():
+            for master, p in zip(masters, trainable, strict=True):
+                p.copy_(master)  # round to bf16, as OffloadAdam's upload does
+    for a, b in zip(ours_masters, masters, strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(a, b)  # bf16 weights: the same rounding of the same masters
+
+
+def test_a_jittered_device_never_changes_the_result():
+    results = []
+    for jitter in (0.0, 1e-3):
+        torch.manual_seed(0)
+        model = Toy()
+        with device("sim", jitter=jitter, seed=3) as dev:
+            opt = OffloadAdam(on_sim(model, dev).parameters(), dev, subgroup_numel=300, **HYPER)
+            train(model, opt, 3, micro_batches=2)
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_gradients_leave_the_device_and_the_trace_shows_every_phase():
+    torch.manual_seed(0)
+    model = Toy()
+    with device("sim") as dev:
+        on_sim(model, dev)
+        params_bytes = dev.ledger.used("device")
+        opt = OffloadAdam(model.parameters(), dev, subgroup_numel=300, **HYPER)
+        train(model, opt, 1)
+        assert dev.ledger.used("device") == params_bytes  # no gradient left behind on the device
+        assert all(p.grad is None for p in model.parameters())
+        lanes = {s.lane for s in dev.trace.spans}
+    assert {"d2h", "cpu", "h2d"} <= lanes
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda dev, m: OffloadAdam([], dev), "empty parameter list|no parameter"),
+    (lambda dev, m: OffloadAdam([m.frozen], dev), "no parameter that requires a gradient"),
+    (lambda dev, m: OffloadAdam(Toy().parameters(), dev), "must be on the device"),
+    (lambda dev, m: OffloadAdam(m.parameters(), dev, subgroup_numel=0), "subgroup_numel"),
+    (lambda dev, m: OffloadAdam(m.parameters(), dev, max_grad_norm=-1.0), "max_grad_norm"),
+])
+def test_bad_input_is_refused_clearly(make, match):
+    with device("sim") as dev:
+        model = on_sim(Toy(), dev)
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(ValueError, match=match):
+            make(dev, model)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))

@@ -16,8 +16,12 @@ the fp32 master weights, exp_avg, exp_avg_sq and gradient, so the CPU Adam runs 
 Gradients accumulate on the host across micro-batches (each backward's gradient is offloaded and added
 in fp32), so accumulation never holds a device gradient between backward passes.
 
-What this is not, yet: fp16 loss scaling, the one-step delayed update, tiny parameters kept on the
-device, and state_dict/load_state_dict (chapter 4's remaining parts).
+fp16 models need loss scaling: with `loss_scale="dynamic"`, call `opt.scale_loss(loss).backward()`; a
+step whose gradients overflow is skipped for every subgroup (no state touched) and the scale halves; after
+`growth_interval` clean steps it doubles (torch's GradScaler policy). `state_dict()` holds the fp32
+master weights, moments and step counts, so a loaded checkpoint continues bit for bit.
+
+What this is not, yet: the one-step delayed update, and tiny parameters kept on the device.
 """
 
 from __future__ import annotations
@@ -63,11 +67,15 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def __init__(self, params, dev, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, subgroup_numel: int = 1 << 22,
-                 max_grad_norm: float | None = None):
+                 max_grad_norm: float | None = None, loss_scale: str | float | None = None,
+                 growth_interval: int = 2000):
         if subgroup_numel < 1:
             raise ValueError(f"subgroup_numel must be at least 1, got {subgroup_numel}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive (or None to turn clipping off), got {max_grad_norm}")
+        if not (loss_scale is None or loss_scale == "dynamic" or (isinstance(loss_scale, (int, float))
+                                                                   and loss_scale > 0)):
+            raise ValueError(f"loss_scale must be None, 'dynamic' or a positive number, got {loss_scale!r}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not trainable:
@@ -79,6 +87,9 @@ class OffloadAdam(torch.optim.Optimizer):
         self.dev, self.subgroup_numel, self.max_grad_norm = dev, subgroup_numel, max_grad_norm
         self.d2h, self.h2d = dev.stream("offload d2h"), dev.stream("offload h2d")
         self.last_grad_norm: float | None = None
+        self.dynamic = loss_scale == "dynamic"
+        self.scale = 2.0**16 if self.dynamic else float(loss_scale or 1.0)
+        self.growth_interval, self.clean_steps, self.skipped_steps = growth_interval, 0, 0
         self._uploaded = None  # event after the last H2D: the next forward waits for it
         self._slots: dict[torch.nn.Parameter, _Slot] = {}
         self.subgroups: list[_Subgroup] = []
@@ -147,10 +158,20 @@ class OffloadAdam(torch.optim.Optimizer):
                 loss = closure()
         for slot in self._slots.values():
             self._add_pending(slot)
+        if not self._grads_finite():  # overflow: skip this step everywhere, touch no state, lower the scale
+            self.skipped_steps += 1
+            self.scale *= 0.5
+            self.clean_steps = 0
+            self.zero_grad()
+            return loss
         coef = self._clip_coefficient()
         for sub in self.subgroups:
             self._update(sub, coef)
             self._upload(sub)
+        if self.dynamic:
+            self.clean_steps += 1
+            if self.clean_steps % self.growth_interval == 0:
+                self.scale *= 2.0
         self._uploaded = self.dev.event()
         self._uploaded.record(self.h2d)
         self.dev.compute_waits_for(self._uploaded)  # the next forward reads the new weights, not the old
@@ -160,13 +181,25 @@ class OffloadAdam(torch.optim.Optimizer):
             sub.buffers["grad"].zero_()
         return loss
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on: multiplied by the loss scale (1.0 unless loss scaling is on)."""
+        return loss * self.scale if self.scale != 1.0 else loss
+
+    def _grads_finite(self) -> bool:
+        """One flag from every subgroup: is any gradient inf or NaN? (Only checked with loss scaling on.)"""
+        if self.scale == 1.0 and not self.dynamic:
+            return True
+        return all(bool(torch.isfinite(sub.buffers["grad"]).all()) for sub in self.subgroups)
+
     def _clip_coefficient(self) -> float:
-        """Global L2 norm over every subgroup's gradient (partial sums, one combine); 1.0 without clipping."""
+        """What multiplies every gradient before the update: 1/scale, times the clip factor computed from the
+        global L2 norm (per-subgroup partial sums, one combine) as clip_grad_norm_ does."""
         squares = sum(float(sub.buffers["grad"].double().square().sum()) for sub in self.subgroups)
-        self.last_grad_norm = math.sqrt(squares)
-        if self.max_grad_norm is None:
-            return 1.0
-        return min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))  # as clip_grad_norm_ does
+        self.last_grad_norm = math.sqrt(squares) / self.scale
+        clip = 1.0
+        if self.max_grad_norm is not None:
+            clip = min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))
+        return clip / self.scale
 
     def _update(self, sub: _Subgroup, coef: float) -> None:
         buffers = sub.buffers
@@ -210,4 +243,47 @@ class OffloadAdam(torch.optim.Optimizer):
         for sub in self.subgroups:
             sub.buffers["grad"].zero_()
         for slot in self._slots.values():
+            slot.has_grad = False
+
+    # checkpoints --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Hyper-parameters, loss-scale state, and per parameter (in param_groups order) its step count,
+        fp32 master weights and moments, as CPU tensors."""
+        state = {}
+        for index, slot in enumerate(self._slots.values()):
+            buffers = slot.subgroup.buffers
+            state[index] = {"step": slot.step, "shape": tuple(slot.param.shape),
+                            **{name: slot.view(buffers[name]).clone() for name in ("master", "exp_avg", "exp_avg_sq")}}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {"state": state, "param_groups": groups,
+                "loss_scale": {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped_steps}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a `state_dict()` of an OffloadAdam over the same model; refuses (changing nothing) a
+        checkpoint of another model. The model's weights are set to the masters, rounded to their dtype."""
+        slots = list(self._slots.values())
+        saved = state_dict.get("state", {})
+        if len(saved) != len(slots) or len(state_dict.get("param_groups", [])) != len(self.param_groups):
+            raise ValueError(f"checkpoint holds {len(saved)} parameters in {len(state_dict.get('param_groups', []))} "
+                             f"groups; this optimizer has {len(slots)} in {len(self.param_groups)}: "
+                             "is it from another model?")
+        for index, slot in enumerate(slots):
+            if tuple(saved[index]["shape"]) != tuple(slot.param.shape):
+                raise ValueError(f"checkpoint parameter {index} has shape {tuple(saved[index]['shape'])}, this "
+                                 f"model's has {tuple(slot.param.shape)}: is it from another model?")
+        for group, saved_group in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            group.update(saved_group)
+        for index, slot in enumerate(slots):
+            slot.step = saved[index]["step"]
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                slot.view(slot.subgroup.buffers[name]).copy_(saved[index][name])
+            slot.has_grad = True  # so that _upload sends every parameter
+        scale = state_dict["loss_scale"]
+        self.scale, self.clean_steps, self.skipped_steps = scale["scale"], scale["clean_steps"], scale["skipped"]
+        for sub in self.subgroups:
+            self._upload(sub)
+        self._uploaded = self.dev.event()
+        self._uploaded.record(self.h2d)
+        self.dev.compute_waits_for(self._uploaded)
+        for slot in slots:
             slot.has_grad = False

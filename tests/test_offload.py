@@ -201,3 +201,83 @@ def test_bad_input_is_refused_clearly(make, match):
         with pytest.raises(ValueError, match=match):
             make(dev, model)
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+
+def test_loss_scaling_by_a_power_of_two_changes_nothing_and_an_overflow_skips_the_step():
+    results = []
+    for scale in (None, 1024.0):
+        torch.manual_seed(0)
+        model = Toy()
+        with device("sim") as dev:
+            opt = OffloadAdam(on_sim(model, dev).parameters(), dev, loss_scale=scale, **HYPER)
+            for step in range(3):
+                idx, targets = batch(step)
+                opt.scale_loss(loss_of(model, idx, targets)).backward()
+                opt.step()
+                opt.zero_grad()
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))  # x1024 then /1024 is exact
+
+    torch.manual_seed(0)
+    model = Toy().to(torch.float16)
+    with device("sim") as dev:
+        opt = OffloadAdam(on_sim(model, dev).parameters(), dev, loss_scale="dynamic", **HYPER)
+        idx, targets = batch(0)
+        for _ in range(20):  # 2**16 overflows fp16 gradients: the scale backs off until a step is clean
+            opt.scale_loss(loss_of(model, idx, targets)).backward()
+            opt.step()
+            if opt.clean_steps:
+                break
+        backed_off = opt.skipped_steps
+        assert opt.clean_steps == 1 and opt.scale == 2.0**16 / 2**backed_off
+        before = opt.state_dict()
+        weights = [p.detach().clone() for p in model.parameters()]
+        opt.scale = 1e30  # far past fp16: the gradients overflow
+        opt.scale_loss(loss_of(model, idx, targets)).backward()
+        opt.step()
+        after = opt.state_dict()
+        assert opt.skipped_steps == backed_off + 1 and opt.scale == 0.5e30
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), weights, strict=True))
+        assert max(saved["step"] for saved in after["state"].values()) == 1  # the skipped step counted nowhere
+        for index, saved in before["state"].items():
+            assert saved["step"] == after["state"][index]["step"]
+            assert all(torch.equal(saved[k], after["state"][index][k]) for k in ("master", "exp_avg", "exp_avg_sq"))
+
+
+def test_a_checkpoint_continues_training_bit_for_bit():
+    def fresh(dev):
+        torch.manual_seed(0)
+        model = on_sim(Toy(), dev)
+        return model, OffloadAdam(model.parameters(), dev, subgroup_numel=300, **HYPER)
+
+    with device("sim") as dev:
+        straight, opt = fresh(dev)
+        train(straight, opt, 5)
+    with device("sim") as dev:
+        first, opt = fresh(dev)
+        train(first, opt, 3)
+        checkpoint = {"model": {k: v.clone() for k, v in first.state_dict().items()}, "opt": opt.state_dict()}
+    with device("sim") as dev:
+        resumed, opt = fresh(dev)
+        resumed.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["opt"])
+        for step in range(3, 5):  # the same batches the straight run saw in steps 3 and 4
+            idx, targets = batch(100 * step)
+            loss_of(resumed, idx, targets).backward()
+            opt.step()
+            opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters(), strict=True))
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_changes_nothing():
+    with device("sim") as dev:
+        torch.manual_seed(0)
+        model = on_sim(Toy(), dev)
+        opt = OffloadAdam(model.parameters(), dev, **HYPER)
+        other = on_sim(Toy(width=8), dev)
+        other_state = OffloadAdam(other.parameters(), dev, **HYPER).state_dict()
+        before = opt.state_dict()
+        with pytest.raises(ValueError, match="another model"):
+            opt.load_state_dict(other_state)
+        after = opt.state_dict()
+        assert all(torch.equal(before["state"][i]["master"], after["state"][i]["master"]) for i in before["state"])

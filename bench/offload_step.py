@@ -1,0 +1,129 @@
+"""How much of an offloaded training step's copying hides behind compute and the CPU update.
+
+A small GPT trains with OffloadAdam on the simulated device (2 GB/s each way by default: set --link-gbps
+for a faster, PCIe-like ratio). Each measured step records its phases in the trace: forward and backward
+(lane compute), gradient copies (d2h, issued from backward hooks), the CPU Adam (cpu), weight uploads
+(h2d). Rounds alternate subgroup sizes (interleaved), medians reported.
+
+Headline (bench/results/offload_step.json), from this run's rows for the default subgroup size:
+    hidden_transfer_fraction   share of D2H + H2D busy time during which compute or the CPU update also ran
+    step_over_sum_of_phases    step wall time / (forward + backward + cpu + d2h + h2d busy times): below 1
+                               means phases overlapped
+On CUDA, `step_vs_torchao` (against torchao's CPUOffloadOptimizer) belongs here too; it needs torchao and
+a GPU, and is null otherwise.
+
+    python bench/offload_step.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import interleaved, stats, write  # noqa: E402
+
+from minioffload import models  # noqa: E402
+from minioffload.device import Link, device  # noqa: E402
+from minioffload.offload import OffloadAdam  # noqa: E402
+from minioffload.trace import Trace  # noqa: E402
+
+
+def busy_where(trace: Trace, lanes: set[str], unless: set[str]) -> float:
+    """Seconds in which a lane of `lanes` is busy and no lane of `unless` is."""
+    points = sorted({t for s in trace.spans for t in (s.start, s.end)})
+    total = 0.0
+    for a, b in zip(points, points[1:], strict=False):
+        mid = (a + b) / 2
+        active = {s.lane for s in trace.spans if s.start <= mid < s.end}
+        if active & lanes and not active & unless:
+            total += b - a
+    return total
+
+
+def make_run(preset: str, subgroup_numel: int, link: Link, batch_size: int, block_size: int):
+    text = models.load_text()
+    tokenizer = models.CharTokenizer(text)
+    data = torch.tensor(tokenizer.encode(text))
+    torch.manual_seed(0)
+    config = models.GPTConfig.preset(preset, tokenizer.vocab_size, block_size=block_size)
+    dev = device("sim", h2d=link, d2h=link)
+    model = models.GPT(config)
+    for p in model.parameters():
+        dev.adopt(p, "param")
+    opt = OffloadAdam(model.parameters(), dev, lr=1e-3, subgroup_numel=subgroup_numel)
+    generator = torch.Generator().manual_seed(0)
+
+    def one_step() -> dict:
+        x, y = models.batches(data, block_size, batch_size, generator)
+        dev.trace.clear()
+        start = time.perf_counter()
+        with dev.trace.span("compute", "forward"):
+            _, loss = model(x, y)
+        with dev.trace.span("compute", "backward"):
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dev.synchronize()
+        wall = time.perf_counter() - start
+        trace = dev.trace
+        transfers = trace.busy("d2h") + trace.busy("h2d")
+        exposed = busy_where(trace, {"d2h", "h2d"}, {"compute", "cpu"})
+        phases = sum(trace.busy(lane) for lane in ("compute", "cpu", "d2h", "h2d"))
+        return {"wall_s": wall, "transfer_s": transfers, "exposed_transfer_s": exposed, "sum_of_phases_s": phases,
+                "compute_s": trace.busy("compute"), "cpu_s": trace.busy("cpu")}
+
+    return one_step, dev, model.num_params()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (under a minute)")
+    parser.add_argument("--link-gbps", type=float, default=2.0, help="sim link bandwidth each way, GB/s")
+    args = parser.parse_args()
+    rounds = 3 if args.quick else 7
+    preset, batch_size, block_size = "medium", 8, 128
+    link = Link(bandwidth=args.link_gbps * 1e9)
+    sizes = {"default (4M)": 1 << 22, "1M": 1 << 20, "256K": 1 << 18}
+    runs, devices = {}, []
+    for name, numel in sizes.items():
+        runs[name], dev, num_params = make_run(preset, numel, link, batch_size, block_size)
+        devices.append(dev)
+    results = interleaved(runs, rounds)
+    for dev in devices:
+        dev.close()
+
+    rows = []
+    print(f"offloaded step of a {num_params / 1e6:.1f}M-parameter GPT on the sim device "
+          f"({args.link_gbps:g} GB/s link), {rounds} interleaved rounds, medians")
+    print(f"{'subgroups':<14}{'step ms':>9}{'compute':>9}{'cpu':>8}{'copies':>8}{'exposed':>9}{'hidden':>8}"
+          f"{'step/sum':>10}")
+    for name, measured in results.items():
+        med = {k: stats([m[k] for m in measured])["median"] for k in measured[0]}
+        hidden = 1 - med["exposed_transfer_s"] / med["transfer_s"] if med["transfer_s"] else 0.0
+        row = {"subgroup": name, "subgroup_numel": sizes[name], "params": num_params,
+               **{k: stats([m[k] for m in measured]) for k in measured[0]},
+               "hidden_transfer_fraction": hidden, "step_over_sum_of_phases": med["wall_s"] / med["sum_of_phases_s"]}
+        rows.append(row)
+        print(f"{name:<14}{med['wall_s'] * 1e3:>9.1f}{med['compute_s'] * 1e3:>9.1f}{med['cpu_s'] * 1e3:>8.1f}"
+              f"{med['transfer_s'] * 1e3:>8.1f}{med['exposed_transfer_s'] * 1e3:>9.1f}{hidden:>8.2f}"
+              f"{row['step_over_sum_of_phases']:>10.2f}")
+    default = rows[0]
+    headline = {"hidden_transfer_fraction": default["hidden_transfer_fraction"],
+                "step_over_sum_of_phases": default["step_over_sum_of_phases"],
+                "step_vs_torchao": None, "device": "sim", "link_GBps": args.link_gbps}
+    print("headline:", ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in headline.items()))
+    config = {"preset": preset, "batch_size": batch_size, "block_size": block_size, "rounds": rounds,
+              "quick": args.quick}
+    print(f"wrote {write('offload_step', rows, headline, config)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -72,6 +72,7 @@ class CudaDevice:
         self.default_stream = CudaStream("default", torch.cuda.current_stream(self.torch_device))
         self._pending: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event, int]] = []
         self._names = itertools.count()
+        self._adopted: dict[int, str] = {}  # storage address -> ledger key, of tensors counted by adopt()
         # A reference point on both clocks: host time `_ref_time` is when event `_ref` completed.
         self._ref = torch.cuda.Event(enable_timing=True)
         self._ref.record(self.default_stream.stream)
@@ -107,9 +108,17 @@ class CudaDevice:
         """Count an existing CUDA tensor in `ledger` (it stays where it is)."""
         if tensor.device.type != "cuda":
             raise ValueError(f"{name} is on {tensor.device}; move it with .to('cuda') before adopting it")
+        address = tensor.untyped_storage().data_ptr()
+        if address in self._adopted:  # counted already
+            return tensor
         _, key = reserve(self.ledger, self._names, tuple(tensor.shape), tensor.dtype, name)
-        weakref.finalize(tensor, self.ledger.free, key).atexit = False
+        self._adopted[address] = key
+        weakref.finalize(tensor, self._release, address, key).atexit = False
         return tensor
+
+    def _release(self, address: int, key: str) -> None:
+        self._adopted.pop(address, None)
+        self.ledger.free(key)
 
     def stream_waits_for_compute(self, stream: CudaStream) -> None:
         """Make `stream` wait for the work already queued on torch's current stream (e.g. backward)."""

@@ -44,3 +44,25 @@ def test_runs_as_a_module():
     result = subprocess.run([sys.executable, "-m", "minioffload", "footprint", "--params", "124M"],
                             capture_output=True, text=True, check=True)
     assert "fits one 80 GB GPU" in result.stdout
+
+
+def test_train_runs_and_prints_its_summary(tmp_path, capsys):
+    argv = ["train", "--device", "sim", "--steps", "2", "--block-size", "16", "--batch-size", "4",
+            "--max-grad-norm", "none", "--no-progress", "--out-dir", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "exposed D2H" in out and "CPU update" in out and "device peak memory" in out
+    assert {p.name for p in tmp_path.iterdir()} == {"trace.json", "loss.csv", "summary.json"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--steps", "0"], "--steps must be a positive int, got 0"),
+    (["train", "--lr", "-1"], "--lr must be a positive finite number"),
+    (["train", "--device", "tpu"], "invalid choice: 'tpu'"),
+    (["train", "--max-grad-norm", "big"], "is not a number"),
+    (["train", "--batch-size", "1.5"], "invalid int value"),
+])
+def test_train_bad_flags_exit_2_with_a_reason(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

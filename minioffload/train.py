@@ -1,0 +1,337 @@
+"""The training loop behind `python -m minioffload train`: a small GPT on the bundled text, with its AdamW
+state offloaded to pinned host memory (OffloadAdam) or kept on the device (torch AdamW, the baseline).
+
+    result = train(TrainConfig(device="sim", steps=50, out_dir="runs/demo"))
+    result.losses          # train loss per step
+    result.summary         # the step-time split, memory, final losses and a sample (also summary.json)
+
+One step: `grad_accum` micro-batches of forward ("forward" span on lane "compute") and backward ("backward"),
+then the optimizer step (OffloadAdam records its own d2h / cpu / h2d spans; the baseline one "update" span on
+"compute"). The summary splits the mean step time into forward, backward, exposed D2H (the d2h lane busy
+while neither compute nor cpu is), CPU update (cpu lane busy), exposed H2D (likewise) and device update,
+measured from `dev.trace` inside each step's window. The first step (Numba compiles the CPU Adam, caches
+warm up) is left out of the means when there is more than one.
+
+Writes out_dir/trace.json (Perfetto), loss.csv and summary.json.
+
+What this is not: a tuned trainer (no LR schedule, no checkpoints, no mixed-precision autocast: "bf16"
+casts the model's parameters, and OffloadAdam keeps fp32 masters on the host).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import warnings
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from .device import device as make_device
+from .memory import format_bytes
+from .models import GPT, CharTokenizer, GPTConfig, batches, load_text, train_val_split
+from .offload import OffloadAdam
+from .trace import Span
+
+DEVICES = ("auto", "sim", "cuda")
+PRECISIONS = ("fp32", "bf16")
+EVAL_BATCHES = 8  # validation batches per evaluation (the same ones every time)
+SAMPLE_CHARS = 200
+PHASES = ("forward", "backward", "exposed_d2h", "cpu_update", "exposed_h2d", "device_update")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; checked on construction (ValueError naming the field)."""
+
+    device: str = "auto"  # "auto" | "sim" | "cuda"
+    model: str = "tiny"  # a GPTConfig preset
+    block_size: int = 64  # context length (overrides the preset's)
+    batch_size: int = 32  # sequences per micro-batch
+    steps: int = 1000  # optimizer steps (the defaults take about a minute on 2 CPU cores with the sim)
+    lr: float = 3e-3
+    precision: str = "fp32"  # "fp32" | "bf16" (the model's parameters; optimizer state stays fp32)
+    offload: bool = True  # True: OffloadAdam (state in pinned host memory); False: torch AdamW on the device
+    subgroup_numel: int = 1 << 16  # OffloadAdam's subgroup size in elements
+    max_grad_norm: float | None = 1.0  # clip by global norm; None turns clipping off
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seed: int = 0
+    out_dir: str | None = None  # None: runs/<timestamp>
+    eval_every: int = 100  # steps between validation losses (the last step is always evaluated)
+    progress: bool = True  # show a tqdm progress bar
+
+    def __post_init__(self) -> None:
+        _choice("device", self.device, DEVICES)
+        _choice("model", self.model, tuple(GPTConfig.preset_names()))
+        _choice("precision", self.precision, PRECISIONS)
+        for name in ("block_size", "batch_size", "steps", "subgroup_numel", "grad_accum", "eval_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainConfig.{name} must be a positive int, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"TrainConfig.seed must be an int, got {self.seed!r}")
+        if not isinstance(self.lr, (int, float)) or not (0 < self.lr < math.inf):
+            raise ValueError(f"TrainConfig.lr must be a positive finite number, got {self.lr!r}")
+        if self.max_grad_norm is not None and not (
+                isinstance(self.max_grad_norm, (int, float)) and 0 < self.max_grad_norm < math.inf):
+            raise ValueError(f"TrainConfig.max_grad_norm must be a positive number, or None to turn clipping "
+                             f"off, got {self.max_grad_norm!r}")
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"TrainConfig.offload must be True or False, got {self.offload!r}")
+
+
+def _choice(name: str, value, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"TrainConfig.{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]  # mean train loss of each step
+    val_losses: dict[int, float]  # step -> validation loss
+    summary: dict
+    out_dir: Path
+    paths: dict[str, Path] = field(default_factory=dict)  # "trace", "loss", "summary" -> file
+
+
+# ---------------------------------------------------------------------------------------------
+# timing from the trace
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, start, end = 0.0, None, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            if end is not None:
+                total += end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    return total + (end - start if end is not None else 0.0)
+
+
+def step_phases(spans: list[Span], start: float, end: float) -> dict[str, float]:
+    """Seconds of each phase among `spans` inside the window [start, end] (trace time).
+
+    exposed_d2h: the d2h lane busy while neither compute nor cpu is (|d2h ∪ busy| - |busy|); same for h2d."""
+    def clipped(keep) -> list[tuple[float, float]]:
+        return [(max(s.start, start), min(s.end, end)) for s in spans
+                if keep(s) and s.end > start and s.start < end]
+
+    busy = clipped(lambda s: s.lane in ("compute", "cpu"))
+    d2h, h2d = clipped(lambda s: s.lane == "d2h"), clipped(lambda s: s.lane == "h2d")
+    busy_time = _union(busy)
+    return {
+        "forward": _union(clipped(lambda s: s.lane == "compute" and s.name == "forward")),
+        "backward": _union(clipped(lambda s: s.lane == "compute" and s.name == "backward")),
+        "exposed_d2h": _union(busy + d2h) - busy_time,
+        "cpu_update": _union(clipped(lambda s: s.lane == "cpu")),
+        "exposed_h2d": _union(busy + h2d) - busy_time,
+        "device_update": _union(clipped(lambda s: s.lane == "compute" and s.name == "update")),
+    }
+
+
+def _timed(dev, name: str, fn):
+    """Run fn() as a span on lane "compute": host time on the sim (the host thread is its compute stream),
+    CUDA events on torch's current stream on cuda (recorded into the trace at dev.synchronize())."""
+    if dev.kind != "cuda":
+        with dev.trace.span("compute", name):
+            return fn()
+    out = []
+    dev.launch(dev.default_stream, lambda: out.append(fn()), name=name)
+    return out[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+
+
+def _put_on_device(model: GPT, dev, precision: str) -> None:
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    if dev.kind == "cuda":
+        model.to(dev.torch_device)
+    for p in model.parameters():
+        dev.adopt(p, "param")
+
+
+@torch.no_grad()
+def _val_loss(model: GPT, val_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    was_training = model.training
+    model.eval()
+    try:
+        return sum(float(model(x, y)[1]) for x, y in val_batches) / len(val_batches)
+    finally:
+        model.train(was_training)
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Train a GPT as `config` says; write trace.json, loss.csv and summary.json into its out_dir."""
+    from tqdm.auto import tqdm
+
+    out_dir = Path(config.out_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = load_text()
+    tok = CharTokenizer(text)
+    train_tokens, val_tokens = train_val_split(torch.tensor(tok.encode(text)))
+    if config.block_size >= len(val_tokens):
+        raise ValueError(f"TrainConfig.block_size={config.block_size} leaves no window in the {len(val_tokens)}"
+                         f"-token validation split; use a block_size below {len(val_tokens)}")
+    torch.manual_seed(config.seed)
+    model = GPT(GPTConfig.preset(config.model, tok.vocab_size, block_size=config.block_size))
+    dev = make_device(config.device)
+    try:
+        return _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, tqdm)
+    finally:
+        dev.close()
+
+
+def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, tqdm) -> TrainResult:
+    _put_on_device(model, dev, config.precision)
+    params = list(model.parameters())
+    if config.offload:
+        opt = OffloadAdam(params, dev, lr=config.lr, subgroup_numel=config.subgroup_numel,
+                          max_grad_norm=config.max_grad_norm)
+    else:
+        if config.precision == "bf16":
+            warnings.warn("precision='bf16' with offload=False: torch AdamW updates the bf16 weights directly "
+                          "(no fp32 master copy), so small updates round away", stacklevel=3)
+        opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.01)  # OffloadAdam's default decay
+    to_device = (lambda t: t.to(dev.torch_device)) if dev.kind == "cuda" else (lambda t: t)
+    data_gen = torch.Generator().manual_seed(config.seed)
+    val_gen = torch.Generator().manual_seed(config.seed + 1)
+    val_batches = [tuple(map(to_device, batches(val_tokens, config.block_size, config.batch_size, val_gen)))
+                   for _ in range(EVAL_BATCHES)]
+    tokens_per_step = config.batch_size * config.block_size * config.grad_accum
+
+    losses: list[float] = []
+    val_losses: dict[int, float] = {}
+    rows: list[tuple] = []
+    windows: list[tuple[int, int, float, float]] = []  # (first span index, last, start, end) per step
+    state_adopted = False
+    bar = tqdm(range(1, config.steps + 1), desc=f"train {config.model} ({dev.kind})", unit="step",
+               disable=not config.progress, dynamic_ncols=True)
+    dev.synchronize()
+    for step in bar:
+        first_span, start = len(dev.trace.spans), dev.trace.now()
+        step_loss = 0.0
+        for micro in range(config.grad_accum):
+            x, y = (to_device(t) for t in batches(train_tokens, config.block_size, config.batch_size, data_gen))
+            _, loss = _timed(dev, "forward", lambda x=x, y=y: model(x, y))
+            _timed(dev, "backward", lambda loss=loss: (loss / config.grad_accum).backward())
+            step_loss += float(loss.detach()) / config.grad_accum
+            if not config.offload and micro == config.grad_accum - 1:
+                for p in params:  # the baseline holds its gradients on the device: count them
+                    if p.grad is not None:
+                        dev.adopt(p.grad, "grad")
+        if config.offload:
+            opt.step()  # records its own d2h / cpu / h2d spans
+        else:
+            def update():
+                if config.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+                opt.step()
+            _timed(dev, "update", update)
+            if not state_adopted:  # AdamW made its exp_avg / exp_avg_sq on the device: count them
+                for state in opt.state.values():
+                    for t in state.values():
+                        if torch.is_tensor(t) and t.numel() > 1:
+                            dev.adopt(t, "optimizer state")
+                state_adopted = True
+        opt.zero_grad(set_to_none=True)
+        dev.synchronize()  # the step ends when its last copy has landed (the next forward waits for it)
+        end = dev.trace.now()
+        windows.append((first_span, len(dev.trace.spans), start, end))
+        tokens_per_s = tokens_per_step / (end - start)
+        losses.append(step_loss)
+        val = None
+        if step % config.eval_every == 0 or step == config.steps:
+            val = val_losses[step] = _val_loss(model, val_batches)
+        rows.append((step, step_loss, val, tokens_per_s))
+        bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{tokens_per_s:,.0f}",
+                        **({"val": f"{val:.3f}"} if val is not None else {}))
+    bar.close()
+
+    summary = _summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_per_step)
+    paths = {"trace": dev.trace.save(out_dir / "trace.json"), "loss": out_dir / "loss.csv",
+             "summary": out_dir / "summary.json"}
+    with open(paths["loss"], "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "train_loss", "val_loss", "tokens_per_s"])
+        for step, loss, val, tps in rows:
+            writer.writerow([step, f"{loss:.6f}", "" if val is None else f"{val:.6f}", f"{tps:.1f}"])
+    paths["summary"].write_text(json.dumps(summary, indent=2) + "\n")
+    return TrainResult(losses, val_losses, summary, out_dir, paths)
+
+
+def _summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_per_step) -> dict:
+    timed = windows[1:] if len(windows) > 1 else windows  # leave the warm-up step out
+    spans = dev.trace.spans
+    totals = dict.fromkeys(PHASES, 0.0)
+    step_time, durations = 0.0, []
+    for first, last, start, end in timed:
+        for phase, seconds in step_phases(spans[first:last], start, end).items():
+            totals[phase] += seconds
+        step_time += end - start
+        durations.append(end - start)
+    n = len(timed)
+    split = {f"{phase}_s": totals[phase] / n for phase in PHASES}
+    split["other_s"] = max(0.0, step_time / n - sum(split.values()))  # data, loss.item(), bookkeeping
+    split["step_s"] = step_time / n
+    split["step_median_s"] = sorted(durations)[n // 2]  # robust to steps stalled by other processes
+    host_bytes = (sum(t.numel() * t.element_size() for sub in opt.subgroups for t in sub.buffers.values())
+                  if isinstance(opt, OffloadAdam) else 0)
+    start_ids = tok.encode("\n") if "\n" in tok.chars else [0]
+    idx = torch.tensor([start_ids], dtype=torch.long)
+    if dev.kind == "cuda":
+        idx = idx.to(dev.torch_device)
+    generated = model.generate(idx, SAMPLE_CHARS, generator=torch.Generator().manual_seed(config.seed))
+    config_dict = asdict(config)
+    config_dict.pop("progress")
+    return {
+        "config": {**config_dict, "device": dev.kind},
+        "num_params": model.num_params(),
+        "steps_timed": n,
+        **split,
+        "tokens_per_s": tokens_per_step / split["step_s"],
+        "device_peak_bytes": dev.ledger.peak("device"),
+        "optimizer_host_bytes": host_bytes,
+        "final_train_loss": losses[-1],
+        "final_val_loss": val_losses[max(val_losses)],
+        "best_val_loss": min(val_losses.values()),
+        "best_val_step": min(val_losses, key=val_losses.get),
+        "sample": tok.decode(generated[0, len(start_ids):].tolist()),
+    }
+
+
+_LABELS = {"forward_s": "forward", "backward_s": "backward", "exposed_d2h_s": "exposed D2H",
+           "cpu_update_s": "CPU update", "exposed_h2d_s": "exposed H2D", "device_update_s": "device update",
+           "other_s": "other (data, sync, bookkeeping)", "step_s": "step total"}
+
+
+def format_summary(summary: dict) -> str:
+    """The summary as a small table, for the terminal."""
+    cfg = summary["config"]
+    step = summary["step_s"]
+    lines = [f"{cfg['model']} GPT, {summary['num_params']:,} parameters, {cfg['precision']}, "
+             f"{'OffloadAdam (state on the host)' if cfg['offload'] else 'AdamW on the device (baseline)'}, "
+             f"{cfg['device']} device",
+             f"mean step time over {summary['steps_timed']} steps (the first step is left out; median "
+             f"{summary['step_median_s'] * 1e3:.2f} ms):",
+             f"  {'phase':<32}{'ms':>9}{'share':>8}"]
+    for key, label in _LABELS.items():
+        if key == "device_update_s" and not summary[key] and cfg["offload"]:
+            continue
+        share = summary[key] / step if step else 0.0
+        lines.append(f"  {label:<32}{summary[key] * 1e3:>9.2f}{share:>8.0%}")
+    lines += [f"throughput          {summary['tokens_per_s']:,.0f} tokens/s",
+              f"device peak memory  {format_bytes(summary['device_peak_bytes'])}",
+              f"optimizer on host   {format_bytes(summary['optimizer_host_bytes'])} pinned",
+              f"final loss          train {summary['final_train_loss']:.4f}, val {summary['final_val_loss']:.4f} "
+              f"(best val {summary['best_val_loss']:.4f} at step {summary['best_val_step']})",
+              f"sample ({len(summary['sample'])} characters):",
+              *("  | " + line for line in summary["sample"].split("\n"))]
+    return "\n".join(lines)

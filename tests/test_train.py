@@ -1,0 +1,98 @@
+"""The training loop (minioffload/train.py): short runs on the sim device, files, the step-time split."""
+
+import csv
+import json
+
+import pytest
+
+from minioffload.__main__ import main
+from minioffload.trace import Span
+from minioffload.train import PHASES, TrainConfig, step_phases, train
+
+SHORT = dict(device="sim", model="tiny", block_size=32, batch_size=8, lr=3e-3, eval_every=5, progress=False)
+
+
+@pytest.fixture(scope="module")
+def offload_run(tmp_path_factory):
+    return train(TrainConfig(steps=12, out_dir=str(tmp_path_factory.mktemp("offload")), **SHORT))
+
+
+def test_offload_run_learns_and_writes_its_files(offload_run):
+    r = offload_run
+    assert len(r.losses) == 12 and r.losses[-1] < r.losses[0] - 0.3
+    assert set(r.val_losses) == {5, 10, 12}
+    trace = json.loads(r.paths["trace"].read_text())
+    names = {e["name"] for e in trace["traceEvents"]}
+    assert {"forward", "backward", "d2h grad", "h2d weights"} <= names
+    with open(r.paths["loss"]) as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["step", "train_loss", "val_loss", "tokens_per_s"]
+    assert [int(row["step"]) for row in rows] == list(range(1, 13))
+    assert rows[4]["val_loss"] and not rows[0]["val_loss"] and float(rows[0]["tokens_per_s"]) > 0
+    summary = json.loads(r.paths["summary"].read_text())
+    assert summary == r.summary
+    assert len(summary["sample"]) == 200 and summary["optimizer_host_bytes"] > 0
+    assert summary["device_peak_bytes"] > 0
+
+
+def test_split_is_non_negative_and_fits_in_the_step(offload_run):
+    s = offload_run.summary
+    split = [s[f"{phase}_s"] for phase in PHASES]
+    assert all(t >= 0 for t in split) and s["other_s"] >= 0
+    assert sum(split) <= s["step_s"] * (1 + 1e-9)
+    assert s["forward_s"] > 0 and s["backward_s"] > 0 and s["cpu_update_s"] > 0
+    assert s["device_update_s"] == 0
+
+
+def test_exposed_copy_time_counts_only_what_nothing_else_hides():
+    spans = [Span("compute", "backward", 0.0, 1.0), Span("d2h", "d2h grad", 0.5, 1.5),
+             Span("cpu", "adam", 1.5, 2.0), Span("h2d", "h2d weights", 1.8, 2.6)]
+    phases = step_phases(spans, 0.0, 2.5)  # the window cuts the last copy at 2.5
+    assert phases["exposed_d2h"] == pytest.approx(0.5) and phases["exposed_h2d"] == pytest.approx(0.5)
+    assert phases["backward"] == 1.0 and phases["cpu_update"] == 0.5 and phases["forward"] == 0
+
+
+def test_same_seed_same_losses(offload_run, tmp_path):
+    again = train(TrainConfig(steps=12, out_dir=str(tmp_path), **SHORT))
+    assert again.losses == offload_run.losses and again.val_losses == offload_run.val_losses
+
+
+def test_baseline_without_offload_runs(offload_run, tmp_path):
+    r = train(TrainConfig(steps=6, offload=False, grad_accum=2, out_dir=str(tmp_path), **SHORT))
+    s = r.summary
+    assert r.losses[-1] < r.losses[0] and s["device_update_s"] > 0 and s["cpu_update_s"] == 0
+    assert s["optimizer_host_bytes"] == 0
+    assert s["device_peak_bytes"] > offload_run.summary["device_peak_bytes"]  # grads and Adam state on device
+
+
+def test_bf16_runs(tmp_path):
+    r = train(TrainConfig(steps=6, precision="bf16", out_dir=str(tmp_path), **SHORT))
+    assert r.losses[-1] < r.losses[0] and r.summary["config"]["precision"] == "bf16"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("device", "tpu"), ("model", "huge"), ("precision", "fp8"), ("steps", 0), ("batch_size", -1),
+    ("block_size", 2.5), ("lr", 0.0), ("max_grad_norm", -1.0), ("grad_accum", 0), ("eval_every", 0),
+    ("subgroup_numel", 0), ("offload", "yes"),
+])
+def test_bad_config_is_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"TrainConfig.{field} "):
+        TrainConfig(**{field: value})
+
+
+def test_block_size_longer_than_the_validation_split_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="block_size"):
+        train(TrainConfig(**{**SHORT, "block_size": 100_000}, steps=1, out_dir=str(tmp_path)))
+
+
+def test_cli_flags_reach_the_config(tmp_path, capsys):
+    argv = ["train", "--device", "sim", "--steps", "2", "--block-size", "16", "--batch-size", "4", "--no-offload",
+            "--precision", "bf16", "--grad-accum", "2", "--no-progress", "--out-dir", str(tmp_path)]
+    with pytest.warns(UserWarning, match="no fp32 master"):
+        assert main(argv) == 0
+    config = json.loads((tmp_path / "summary.json").read_text())["config"]
+    assert config["offload"] is False and config["precision"] == "bf16" and config["grad_accum"] == 2
+    assert "AdamW on the device (baseline)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--grad-accum", "0"])
+    assert exit_info.value.code == 2 and "--grad-accum must be a positive int" in capsys.readouterr().err

@@ -86,7 +86,7 @@ class OffloadAdam(torch.optim.Optimizer):
                              "dev.adopt(p) for each (sim) or model.to('cuda') (cuda)")
         self.dev, self.subgroup_numel, self.max_grad_norm = dev, subgroup_numel, max_grad_norm
         self.d2h, self.h2d = dev.stream("offload d2h"), dev.stream("offload h2d")
-        self.last_grad_norm: float | None = None
+        self.last_grad_norm: float | None = None  # before clipping, unscaled; None when clipping is off
         self.dynamic = loss_scale == "dynamic"
         self.scale = 2.0**16 if self.dynamic else float(loss_scale or 1.0)
         self.growth_interval, self.clean_steps, self.skipped_steps = growth_interval, 0, 0
@@ -194,12 +194,12 @@ class OffloadAdam(torch.optim.Optimizer):
     def _clip_coefficient(self) -> float:
         """What multiplies every gradient before the update: 1/scale, times the clip factor computed from the
         global L2 norm (per-subgroup partial sums, one combine) as clip_grad_norm_ does."""
+        if self.max_grad_norm is None:  # no clipping: skip a pass over every gradient
+            self.last_grad_norm = None
+            return 1.0 / self.scale
         squares = sum(float(sub.buffers["grad"].double().square().sum()) for sub in self.subgroups)
         self.last_grad_norm = math.sqrt(squares) / self.scale
-        clip = 1.0
-        if self.max_grad_norm is not None:
-            clip = min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))
-        return clip / self.scale
+        return min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6)) / self.scale
 
     def _update(self, sub: _Subgroup, coef: float) -> None:
         buffers = sub.buffers

@@ -1,0 +1,212 @@
+"""Lab 4 verdicts: right answers pass, plausible mistakes fail with a reason, stubs say TODO."""
+
+import math
+
+import pytest
+import torch
+
+from minioffload import adam, check
+
+
+def stub(*args):
+    raise NotImplementedError("Task")
+
+
+# Task 4.1 --------------------------------------------------------------------------------------
+
+def make_grad_hook(dev, stream, staging, pending, *, adopt=True, wait=True, record=True, release=True,
+                   copy_stream="given", event_first=False, keep=None, sync=False):
+    """The reference answer, with switches that turn it into one plausible mistake at a time."""
+    def hook(param):
+        grad = param.grad
+        if wait:
+            dev.stream_waits_for_compute(stream)
+        if adopt:
+            dev.adopt(grad, "grad")
+        done = dev.event()
+        if record and event_first:
+            done.record(stream)
+        on = {"given": stream, "default": None, "other": other}[copy_stream]
+        dev.copy(staging[param], grad, on)
+        if record and not event_first:
+            done.record(stream)
+        if sync:
+            done.synchronize()
+        pending.append((param, done if record else None))
+        if keep is not None:
+            keep.append(grad)
+        if release:
+            param.grad = None
+
+    other = dev.stream("another") if copy_stream == "other" else None
+    return hook
+
+
+def hook_with(**mistake):
+    def fn(dev, stream, staging, pending):
+        return make_grad_hook(dev, stream, staging, pending, **mistake)
+    return fn
+
+
+def event_on_default_stream(dev, stream, staging, pending):
+    def hook(param):
+        grad = param.grad
+        dev.stream_waits_for_compute(stream)
+        dev.adopt(grad, "grad")
+        dev.copy(staging[param], grad, stream)
+        done = dev.event()
+        done.record(dev.default_stream)  # fires at once: the copy is still in flight
+        pending.append((param, done))
+        param.grad = None
+    return hook
+
+
+def shared_event(dev, stream, staging, pending):
+    done = dev.event()
+
+    def hook(param):
+        grad = param.grad
+        dev.stream_waits_for_compute(stream)
+        dev.adopt(grad, "grad")
+        dev.copy(staging[param], grad, stream)
+        done.record(stream)
+        pending.append((param, done))
+        param.grad = None
+    return hook
+
+
+# Task 4.2 --------------------------------------------------------------------------------------
+
+def update_and_upload(dev, h2d, subgroups, step, lr, weight_decay, *, upload_first=False, all_at_end=False,
+                      record=True, event_stream=None, offset_shift=0):
+    def update(sub):
+        adam.adam_fused(sub["master"], sub["grad"], sub["exp_avg"], sub["exp_avg_sq"], step=step, lr=lr,
+                        weight_decay=weight_decay)
+
+    def upload(sub):
+        for param, offset in sub["params"]:
+            start = max(0, offset - offset_shift)
+            dev.copy(param.data, sub["master"][start: start + param.numel()].view(param.shape), h2d)
+
+    for sub in subgroups:
+        if upload_first:
+            upload(sub)
+        update(sub)
+        if not upload_first and not all_at_end:
+            upload(sub)
+    if all_at_end:
+        for sub in subgroups:
+            upload(sub)
+    if not record:
+        return None
+    done = dev.event()
+    done.record(event_stream(dev) if event_stream else h2d)
+    return done
+
+
+def update_with(**mistake):
+    def fn(dev, h2d, subgroups, step, lr, weight_decay):
+        return update_and_upload(dev, h2d, subgroups, step, lr, weight_decay, **mistake)
+    return fn
+
+
+def update_synchronizing(dev, h2d, subgroups, step, lr, weight_decay):
+    for sub in subgroups:
+        update_and_upload(dev, h2d, [sub], step, lr, weight_decay)
+        dev.synchronize()  # waits for every upload: the CPU idles while the link works
+    done = dev.event()
+    done.record(h2d)
+    return done
+
+
+def update_fixed_step(dev, h2d, subgroups, step, lr, weight_decay):
+    return update_and_upload(dev, h2d, subgroups, 1, lr, weight_decay)
+
+
+# Task 4.3 --------------------------------------------------------------------------------------
+
+def clip_coefficient(partial_sums_of_squares, max_norm):
+    total_norm = math.sqrt(sum(partial_sums_of_squares))
+    return total_norm, min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def link_bytes_per_step(num_params, model_dtype):
+    return 2 * num_params * torch.empty(0, dtype=model_dtype).element_size()
+
+
+REFERENCE = {
+    "4.1": make_grad_hook,
+    "4.2": update_and_upload,
+    "4.3": clip_coefficient,
+    "4.4": link_bytes_per_step,
+}
+WRONG = [  # (task, plausible mistake, what the verdict must mention)
+    ("4.1", hook_with(record=False), "where the event should be"),
+    ("4.1", hook_with(adopt=False), "dev.adopt(grad, 'grad')"),
+    ("4.1", hook_with(release=False), "still hold .grad"),
+    ("4.1", hook_with(copy_stream="default"), "the default stream"),
+    ("4.1", hook_with(copy_stream="other"), "stream 'another'"),
+    ("4.1", hook_with(wait=False), "stream_waits_for_compute"),
+    ("4.1", hook_with(event_first=True), "before the copy"),
+    ("4.1", hook_with(sync=True), "synchronize inside the hook"),
+    ("4.1", hook_with(keep=[]), "still references a gradient"),
+    ("4.1", event_on_default_stream, "fires without waiting for the copy"),
+    ("4.1", shared_event, "its own event"),
+    ("4.1", lambda dev, stream, staging, pending: None, "return the function"),
+    ("4.2", update_with(upload_first=True), "enqueued before subgroup 0's adam_fused ran"),
+    ("4.2", update_with(all_at_end=True), "every upload was enqueued after all 3 subgroups"),
+    ("4.2", update_with(record=False), "returned None"),
+    ("4.2", update_with(event_stream=lambda dev: dev.default_stream), "uploads had finished"),
+    ("4.2", update_with(offset_shift=16), "differs from torch AdamW"),
+    ("4.2", update_fixed_step, "step 2"),
+    ("4.2", update_synchronizing, "a synchronize in the loop"),
+    ("4.3", lambda partial, max_norm: (sum(partial), min(1.0, max_norm / (sum(partial) + 1e-6))),
+     "take its square root"),
+    ("4.3", lambda partial, max_norm: (math.sqrt(sum(partial)), min(1.0, max_norm / math.sqrt(sum(partial)))),
+     "+ 1e-6"),
+    ("4.3", lambda partial, max_norm: (math.sqrt(sum(partial)), max_norm / (math.sqrt(sum(partial)) + 1e-6)),
+     "min(1, ...)"),
+    ("4.3", lambda partial, max_norm: (sum(map(math.sqrt, partial)), 1.0), "add their squares"),
+    ("4.4", lambda num_params, dtype: num_params * torch.empty(0, dtype=dtype).element_size(), "one direction"),
+    ("4.4", lambda num_params, dtype: num_params * (4 + torch.empty(0, dtype=dtype).element_size()),
+     "fp32 master copy never leaves"),
+]
+
+
+@pytest.mark.parametrize("task_id", sorted(REFERENCE))
+def test_reference_passes(task_id):
+    verdict = check.grade(task_id, REFERENCE[task_id])
+    assert verdict.passed, str(verdict)
+    assert str(verdict).startswith(f"PASS Task {task_id}: ")
+
+
+@pytest.mark.parametrize("task_id, wrong, reason", WRONG, ids=[f"{t}-{n}" for n, (t, _, _) in enumerate(WRONG)])
+def test_plausible_mistake_fails_with_a_reason(task_id, wrong, reason):
+    verdict = check.grade(task_id, wrong)
+    assert verdict.status == "FAIL" and reason in verdict.detail, str(verdict)
+
+
+def test_a_forgotten_1e6_divides_by_zero_on_an_all_zero_gradient():
+    verdict = check.grade("4.3", lambda partial, max_norm: (math.sqrt(sum(partial)),
+                                                             min(1.0, max_norm / math.sqrt(sum(partial)))))
+    assert verdict.status == "FAIL" and ("+ 1e-6" in verdict.detail or "divided by zero" in verdict.detail)
+
+
+@pytest.mark.parametrize("task_id", sorted(REFERENCE))
+def test_stub_is_todo(task_id):
+    assert check.grade(task_id, stub).status == "TODO"
+
+
+def test_a_hook_that_is_a_stub_is_todo():
+    def make(dev, stream, staging, pending):
+        def hook(param):
+            raise NotImplementedError("Task 4.1")
+        return hook
+
+    assert check.grade("4.1", make).status == "TODO"
+
+
+def test_verdicts_hold_no_timings():
+    """nbval compares the check lines in strict mode: the same answer must print the same line."""
+    for task_id in ("4.1", "4.2"):
+        assert str(check.grade(task_id, REFERENCE[task_id])) == str(check.grade(task_id, REFERENCE[task_id]))

@@ -37,7 +37,7 @@ class Span:
         return self.end - self.start
 
 
-def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
+def union_length(intervals: Iterable[tuple[float, float]]) -> float:
     """Total length covered by a set of intervals (overlaps counted once)."""
     total, current_start, current_end = 0.0, None, None
     for start, end in sorted(intervals):
@@ -100,7 +100,7 @@ class Trace:
 
     def busy(self, lane: str) -> float:
         """Seconds `lane` was doing something (overlapping spans on the lane count once)."""
-        return _union_length((s.start, s.end) for s in self.on(lane))
+        return union_length((s.start, s.end) for s in self.on(lane))
 
     def makespan(self) -> float:
         """From the first span's start to the last span's end."""

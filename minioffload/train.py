@@ -34,7 +34,7 @@ from .device import device as make_device
 from .memory import format_bytes
 from .models import GPT, CharTokenizer, GPTConfig, batches, load_text, train_val_split
 from .offload import OffloadAdam
-from .trace import Span
+from .trace import Span, union_length
 
 DEVICES = ("auto", "sim", "cuda")
 PRECISIONS = ("fp32", "bf16")
@@ -101,18 +101,6 @@ class TrainResult:
 # timing from the trace
 
 
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, start, end = 0.0, None, None
-    for s, e in sorted(intervals):
-        if end is None or s > end:
-            if end is not None:
-                total += end - start
-            start, end = s, e
-        else:
-            end = max(end, e)
-    return total + (end - start if end is not None else 0.0)
-
-
 def step_phases(spans: list[Span], start: float, end: float) -> dict[str, float]:
     """Seconds of each phase among `spans` inside the window [start, end] (trace time).
 
@@ -123,14 +111,14 @@ def step_phases(spans: list[Span], start: float, end: float) -> dict[str, float]
 
     busy = clipped(lambda s: s.lane in ("compute", "cpu"))
     d2h, h2d = clipped(lambda s: s.lane == "d2h"), clipped(lambda s: s.lane == "h2d")
-    busy_time = _union(busy)
+    busy_time = union_length(busy)
     return {
-        "forward": _union(clipped(lambda s: s.lane == "compute" and s.name == "forward")),
-        "backward": _union(clipped(lambda s: s.lane == "compute" and s.name == "backward")),
-        "exposed_d2h": _union(busy + d2h) - busy_time,
-        "cpu_update": _union(clipped(lambda s: s.lane == "cpu")),
-        "exposed_h2d": _union(busy + h2d) - busy_time,
-        "device_update": _union(clipped(lambda s: s.lane == "compute" and s.name == "update")),
+        "forward": union_length(clipped(lambda s: s.lane == "compute" and s.name == "forward")),
+        "backward": union_length(clipped(lambda s: s.lane == "compute" and s.name == "backward")),
+        "exposed_d2h": union_length(busy + d2h) - busy_time,
+        "cpu_update": union_length(clipped(lambda s: s.lane == "cpu")),
+        "exposed_h2d": union_length(busy + h2d) - busy_time,
+        "device_update": union_length(clipped(lambda s: s.lane == "compute" and s.name == "update")),
     }
 
 

@@ -11,6 +11,7 @@ This is not a test framework: a grader raises AssertionError with a reason a lea
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 GRADERS: dict[str, Callable[[Callable], str]] = {}
@@ -54,6 +55,21 @@ def grade(task_id: str, fn: Callable) -> Verdict:
         return Verdict(task_id, "FAIL", str(err) or "a check failed")
     except Exception as err:  # a learner's bug is a verdict, not a traceback
         return Verdict(task_id, "FAIL", f"your function raised {type(err).__name__}: {err}")
+
+
+@contextmanager
+def sim_device(**options):
+    """A sim device for a grader, closed afterwards without letting an error at close hide the real failure."""
+    from ..device import device
+
+    dev = device("sim", **options)
+    try:
+        yield dev
+    finally:
+        try:
+            dev.close()
+        except Exception:  # the run's own error, if any, is already on its way up
+            pass
 
 
 def task(task_id: str, fn: Callable) -> None:

@@ -14,15 +14,14 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import torch
 
 from .. import pipeline
-from ..device import Link, device
+from ..device import Link
 from ..pinned import aligned_empty
 from ..trace import Span, Trace
-from . import grader
+from . import grader, sim_device
 
 # ---------------------------------------------------------------------------------------------
 # Task 2.2: the double-buffered pipeline
@@ -84,17 +83,6 @@ def _host_chunks() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 SENTINEL = -1.0  # output chunks are filled with this before each run: "never copied back"
 
 
-@contextmanager
-def _sim(**options):
-    """A sim device closed afterwards, without letting a stream error at close hide the real failure."""
-    dev = device("sim", **options)
-    try:
-        yield dev
-    finally:
-        try:
-            dev.close()
-        except Exception:  # the run's own error, if any, is already on its way up
-            pass
 
 
 def _describe(got: torch.Tensor, expected: list[torch.Tensor], k: int) -> str:
@@ -145,7 +133,7 @@ def _run_pipeline(fn: Callable, kernel: Callable, kernel_seconds: float | None, 
     expected = pipeline.reference(chunks_in, _double)  # the slow kernel computes the same
     for chunk in chunks_out:
         chunk.fill_(SENTINEL)
-    with _sim(**options) as dev:
+    with sim_device(**options) as dev:
         fn(dev, chunks_in, chunks_out, kernel, kernel_seconds)
         k = _first_wrong(chunks_out, expected)
         if k is not None:
@@ -257,7 +245,7 @@ def _check_slice(run: Callable, kernel: Callable, num_chunks: int, what: str, **
     expected = pipeline.reference(chunks_in[:num_chunks], _double)
     for chunk in chunks_out:
         chunk.fill_(SENTINEL)
-    with _sim(**options) as dev:
+    with sim_device(**options) as dev:
         run(dev, chunks_in, chunks_out, kernel, None)
     k = _first_wrong(chunks_out[:num_chunks], expected)
     assert k is None, f"{what}: chunk {k} {_describe(chunks_out[k], expected, k)}, expected 2 * input"

@@ -14,31 +14,19 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from ..device import Link, device
+from ..device import Link
 from ..memory import format_bytes
-from . import grader
+from . import grader, sim_device
 
 JITTER = 2e-4  # s: each stream op starts up to this late
 SLOW_LINK = Link(bandwidth=4e6, latency=1e-3)  # every copy takes over 1 ms: still in flight when the host looks
 SENTINEL = -7.0  # staging and device buffers are filled with this: "never written"
 
 
-@contextmanager
-def _sim(**options):
-    """A sim device closed afterwards, without letting a stream error at close hide the real failure."""
-    dev = device("sim", **options)
-    try:
-        yield dev
-    finally:
-        try:
-            dev.close()
-        except Exception:  # the run's own error, if any, is already on its way up
-            pass
 
 
 def _storage(tensor: torch.Tensor) -> int:
@@ -169,7 +157,7 @@ def _hook_trial(fn: Callable, seed: int) -> tuple[int, int]:
     reference(x).square().mean().backward()
     expected = [p.grad for p in reference.parameters()]
     names = dict(enumerate(f"parameter {name} {tuple(p.shape)}" for name, p in model.named_parameters()))
-    with _sim(jitter=JITTER, seed=seed, d2h=SLOW_LINK) as dev:
+    with sim_device(jitter=JITTER, seed=seed, d2h=SLOW_LINK) as dev:
         params = list(model.parameters())
         for p in params:
             dev.adopt(p, "param")
@@ -281,7 +269,7 @@ def _update_run(fn: Callable, layout: list[list[int]], lr: float, weight_decay: 
     opt = torch.optim.AdamW(reference, lr=lr, weight_decay=weight_decay, foreach=False)
     where = {i: (k, j) for k, indices in enumerate(layout) for j, i in enumerate(indices)}
     remaining_at_first_upload = []
-    with _sim(jitter=JITTER, seed=seed, h2d=SLOW_LINK) as dev:
+    with sim_device(jitter=JITTER, seed=seed, h2d=SLOW_LINK) as dev:
         for p in params:
             dev.adopt(p, "param")
         param_of_storage = {_storage(p): i for i, p in enumerate(params)}

@@ -281,3 +281,49 @@ def test_a_checkpoint_of_another_model_is_refused_and_changes_nothing():
             opt.load_state_dict(other_state)
         after = opt.state_dict()
         assert all(torch.equal(before["state"][i]["master"], after["state"][i]["master"]) for i in before["state"])
+
+
+RESUME = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_offload import HYPER, Toy, batch, loss_of, on_sim
+from minioffload.device import device
+from minioffload.offload import OffloadAdam
+checkpoint = torch.load({path!r}, weights_only=False)
+with device("sim") as dev:
+    torch.manual_seed(0)
+    model = on_sim(Toy(), dev)
+    opt = OffloadAdam(model.parameters(), dev, subgroup_numel=300, **HYPER)
+    model.load_state_dict(checkpoint["model"])
+    opt.load_state_dict(checkpoint["opt"])
+    for step in range(3, 5):
+        idx, targets = batch(100 * step)
+        loss_of(model, idx, targets).backward()
+        opt.step()
+        opt.zero_grad()
+torch.save([p.detach() for p in model.parameters()], {out!r})
+"""
+
+
+def test_a_checkpoint_loaded_in_a_new_process_continues_bit_for_bit(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def fresh(dev):
+        torch.manual_seed(0)
+        model = on_sim(Toy(), dev)
+        return model, OffloadAdam(model.parameters(), dev, subgroup_numel=300, **HYPER)
+
+    with device("sim") as dev:
+        straight, opt = fresh(dev)
+        train(straight, opt, 5)
+    with device("sim") as dev:
+        first, opt = fresh(dev)
+        train(first, opt, 3)
+        torch.save({"model": first.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    script = RESUME.format(tests=str(Path(__file__).parent), path=str(tmp_path / "ckpt.pt"),
+                           out=str(tmp_path / "resumed.pt"))
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)
+    resumed = torch.load(tmp_path / "resumed.pt")
+    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed, strict=True))

@@ -21,7 +21,11 @@ step whose gradients overflow is skipped for every subgroup (no state touched) a
 `growth_interval` clean steps it doubles (torch's GradScaler policy). `state_dict()` holds the fp32
 master weights, moments and step counts, so a loaded checkpoint continues bit for bit.
 
-What this is not, yet: the one-step delayed update, and tiny parameters kept on the device.
+Parameters smaller than `min_offload_numel` elements (biases, norms) can stay on the device with a torch
+AdamW there: offloading them costs a copy each way for a few bytes. They join the clipping norm and the
+overflow check like the others.
+
+What this is not, yet: the one-step delayed update.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def __init__(self, params, dev, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, subgroup_numel: int = 1 << 22,
                  max_grad_norm: float | None = None, loss_scale: str | float | None = None,
-                 growth_interval: int = 2000):
+                 growth_interval: int = 2000, min_offload_numel: int = 0):
         if subgroup_numel < 1:
             raise ValueError(f"subgroup_numel must be at least 1, got {subgroup_numel}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -93,17 +97,29 @@ class OffloadAdam(torch.optim.Optimizer):
         self._uploaded = None  # event after the last H2D: the next forward waits for it
         self._slots: dict[torch.nn.Parameter, _Slot] = {}
         self.subgroups: list[_Subgroup] = []
+        self.kept = list(dict.fromkeys(p for p in trainable if p.numel() < min_offload_numel))  # stay on device
+        self._device_opt, self._kept_groups = self._device_optimizer()
         self._pack()
         for slot in self._slots.values():
             slot.param.register_post_accumulate_grad_hook(self._offload_grad)
 
     # layout -------------------------------------------------------------------------------------
+    def _device_optimizer(self):
+        """torch's AdamW over the parameters kept on the device, one group per outer group that has some."""
+        kept = set(self.kept)
+        outer = [g for g in self.param_groups if any(p in kept for p in g["params"])]
+        if not outer:
+            return None, []
+        groups = [{"params": [p for p in g["params"] if p in kept]} for g in outer]
+        return torch.optim.AdamW(groups, foreach=False), outer
+
     def _pack(self) -> None:
         current = None
+        kept = set(self.kept)
         for group in self.param_groups:
             for p in group["params"]:
-                if not p.requires_grad or p in self._slots:
-                    continue  # frozen, or the same (tied) parameter listed twice
+                if not p.requires_grad or p in self._slots or p in kept:
+                    continue  # frozen, the same (tied) parameter listed twice, or small enough to stay
                 if current is None or (current.numel and current.numel + p.numel() > self.subgroup_numel):
                     current = _Subgroup(0)
                     self.subgroups.append(current)
@@ -168,6 +184,7 @@ class OffloadAdam(torch.optim.Optimizer):
         for sub in self.subgroups:
             self._update(sub, coef)
             self._upload(sub)
+        self._update_kept(coef)
         if self.dynamic:
             self.clean_steps += 1
             if self.clean_steps % self.growth_interval == 0:
@@ -189,7 +206,8 @@ class OffloadAdam(torch.optim.Optimizer):
         """One flag from every subgroup: is any gradient inf or NaN? (Only checked with loss scaling on.)"""
         if self.scale == 1.0 and not self.dynamic:
             return True
-        return all(bool(torch.isfinite(sub.buffers["grad"]).all()) for sub in self.subgroups)
+        return all(bool(torch.isfinite(sub.buffers["grad"]).all()) for sub in self.subgroups) and all(
+            bool(torch.isfinite(p.grad).all()) for p in self.kept if p.grad is not None)
 
     def _clip_coefficient(self) -> float:
         """What multiplies every gradient before the update: 1/scale, times the clip factor computed from the
@@ -198,6 +216,7 @@ class OffloadAdam(torch.optim.Optimizer):
             self.last_grad_norm = None
             return 1.0 / self.scale
         squares = sum(float(sub.buffers["grad"].double().square().sum()) for sub in self.subgroups)
+        squares += sum(float(p.grad.double().square().sum()) for p in self.kept if p.grad is not None)
         self.last_grad_norm = math.sqrt(squares) / self.scale
         return min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6)) / self.scale
 
@@ -220,6 +239,18 @@ class OffloadAdam(torch.optim.Optimizer):
                            buffers["exp_avg_sq"][span], step=first.step, lr=group["lr"], beta1=group["betas"][0],
                            beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"])
 
+    def _update_kept(self, coef: float) -> None:
+        """The small parameters kept on the device: torch's AdamW there, with the same coefficient."""
+        if self._device_opt is None:
+            return
+        for p in self.kept:
+            if p.grad is not None and coef != 1.0:
+                p.grad.mul_(coef)
+        for inner, outer in zip(self._device_opt.param_groups, self._kept_groups, strict=True):
+            inner.update({k: outer[k] for k in ("lr", "betas", "eps", "weight_decay")})  # follow LR schedules
+        with self.dev.trace.span("compute", "adam (kept on device)"):
+            self._device_opt.step()
+
     def _upload(self, sub: _Subgroup) -> None:
         for slot in sub.slots:
             if not slot.has_grad:
@@ -240,6 +271,8 @@ class OffloadAdam(torch.optim.Optimizer):
         for slot in self._slots.values():
             self._add_pending(slot)
             slot.param.grad = None
+        for p in self.kept:
+            p.grad = None
         for sub in self.subgroups:
             sub.buffers["grad"].zero_()
         for slot in self._slots.values():
@@ -256,7 +289,9 @@ class OffloadAdam(torch.optim.Optimizer):
                             **{name: slot.view(buffers[name]).clone() for name in ("master", "exp_avg", "exp_avg_sq")}}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {"state": state, "param_groups": groups,
-                "loss_scale": {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped_steps}}
+                "loss_scale": {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped_steps},
+                "kept_shapes": [tuple(p.shape) for p in self.kept],
+                "kept": None if self._device_opt is None else self._device_opt.state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a `state_dict()` of an OffloadAdam over the same model; refuses (changing nothing) a
@@ -271,6 +306,10 @@ class OffloadAdam(torch.optim.Optimizer):
             if tuple(saved[index]["shape"]) != tuple(slot.param.shape):
                 raise ValueError(f"checkpoint parameter {index} has shape {tuple(saved[index]['shape'])}, this "
                                  f"model's has {tuple(slot.param.shape)}: is it from another model?")
+        kept_shapes = [tuple(shape) for shape in state_dict.get("kept_shapes", [])]
+        if kept_shapes != [tuple(p.shape) for p in self.kept]:
+            raise ValueError(f"checkpoint keeps {len(kept_shapes)} small parameters on the device, this optimizer "
+                             f"{len(self.kept)} (or their shapes differ): same model and min_offload_numel?")
         for group, saved_group in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update(saved_group)
         for index, slot in enumerate(slots):
@@ -278,6 +317,8 @@ class OffloadAdam(torch.optim.Optimizer):
             for name in ("master", "exp_avg", "exp_avg_sq"):
                 slot.view(slot.subgroup.buffers[name]).copy_(saved[index][name])
             slot.has_grad = True  # so that _upload sends every parameter
+        if self._device_opt is not None:
+            self._device_opt.load_state_dict(state_dict["kept"])
         scale = state_dict["loss_scale"]
         self.scale, self.clean_steps, self.skipped_steps = scale["scale"], scale["clean_steps"], scale["skipped"]
         for sub in self.subgroups:

@@ -69,12 +69,15 @@ def pair(seed=0, **kwargs):
     return ours, theirs
 
 
+@pytest.mark.parametrize("min_offload_numel", [0, 100])  # 100: the biases stay on the device
 @pytest.mark.parametrize("micro_batches", [1, 3])
 @pytest.mark.parametrize("subgroup_numel", [1 << 20, 300])
-def test_fp32_training_matches_torch_adamw(micro_batches, subgroup_numel):
+def test_fp32_training_matches_torch_adamw(micro_batches, subgroup_numel, min_offload_numel):
     ours, theirs = pair()
     with device("sim") as dev:
-        opt = OffloadAdam(on_sim(ours, dev).parameters(), dev, subgroup_numel=subgroup_numel, **HYPER)
+        opt = OffloadAdam(on_sim(ours, dev).parameters(), dev, subgroup_numel=subgroup_numel,
+                          min_offload_numel=min_offload_numel, **HYPER)
+        assert len(opt.kept) == (3 if min_offload_numel else 0)  # mlp.0.bias, mlp.2.bias, side.bias
         ours_losses = train(ours, opt, 5, micro_batches)
         if subgroup_numel == 300:
             assert len(opt.subgroups) > 3
@@ -105,10 +108,12 @@ def test_accumulated_micro_batches_equal_one_big_batch():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_clipping_equals_clip_grad_norm():
+@pytest.mark.parametrize("min_offload_numel", [0, 100])
+def test_clipping_equals_clip_grad_norm(min_offload_numel):
     ours, theirs = pair()
     with device("sim") as dev:
-        opt = OffloadAdam(on_sim(ours, dev).parameters(), dev, max_grad_norm=0.5, **HYPER)
+        opt = OffloadAdam(on_sim(ours, dev).parameters(), dev, max_grad_norm=0.5, min_offload_numel=min_offload_numel,
+                          **HYPER)
         train(ours, opt, 4)
         assert opt.last_grad_norm > 0.5  # the clip did something
     train(theirs, torch.optim.AdamW(theirs.parameters(), foreach=False, **HYPER), 4, clip=0.5)
@@ -244,11 +249,13 @@ def test_loss_scaling_by_a_power_of_two_changes_nothing_and_an_overflow_skips_th
             assert all(torch.equal(saved[k], after["state"][index][k]) for k in ("master", "exp_avg", "exp_avg_sq"))
 
 
-def test_a_checkpoint_continues_training_bit_for_bit():
+@pytest.mark.parametrize("min_offload_numel", [0, 100])
+def test_a_checkpoint_continues_training_bit_for_bit(min_offload_numel):
     def fresh(dev):
         torch.manual_seed(0)
         model = on_sim(Toy(), dev)
-        return model, OffloadAdam(model.parameters(), dev, subgroup_numel=300, **HYPER)
+        return model, OffloadAdam(model.parameters(), dev, subgroup_numel=300, min_offload_numel=min_offload_numel,
+                                  **HYPER)
 
     with device("sim") as dev:
         straight, opt = fresh(dev)
@@ -327,3 +334,14 @@ def test_a_checkpoint_loaded_in_a_new_process_continues_bit_for_bit(tmp_path):
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)
     resumed = torch.load(tmp_path / "resumed.pt")
     assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed, strict=True))
+
+
+def test_small_parameters_kept_on_the_device_send_no_copies():
+    torch.manual_seed(0)
+    model = Toy()
+    with device("sim") as dev:
+        opt = OffloadAdam(on_sim(model, dev).parameters(), dev, min_offload_numel=100, **HYPER)
+        train(model, opt, 1)
+        copied = {s.nbytes for s in dev.trace.spans if s.lane == "d2h"}
+    assert 64 * 4 not in copied and 16 * 4 not in copied  # the biases never crossed the link
+    assert all(p not in opt._slots for p in opt.kept)

@@ -61,6 +61,25 @@ def train(model, opt, steps, micro_batches=1, use_side=lambda step: False, clip=
     return losses
 
 
+def fresh(dev, **options):
+    """The seeded Toy on `dev` with its OffloadAdam (small subgroups), as every checkpoint test starts."""
+    torch.manual_seed(0)
+    model = on_sim(Toy(), dev)
+    return model, OffloadAdam(model.parameters(), dev, subgroup_numel=300, **options, **HYPER)
+
+
+def straight_and_first(steps_before_saving=3, **options):
+    """Five uninterrupted steps, and a second run stopped after `steps_before_saving` with its checkpoint."""
+    with device("sim") as dev:
+        straight, opt = fresh(dev, **options)
+        train(straight, opt, 5)
+    with device("sim") as dev:
+        first, opt = fresh(dev, **options)
+        train(first, opt, steps_before_saving)
+        checkpoint = {"model": {k: v.clone() for k, v in first.state_dict().items()}, "opt": opt.state_dict()}
+    return straight, checkpoint
+
+
 def pair(seed=0, **kwargs):
     torch.manual_seed(seed)
     ours = Toy()
@@ -251,21 +270,9 @@ def test_loss_scaling_by_a_power_of_two_changes_nothing_and_an_overflow_skips_th
 
 @pytest.mark.parametrize("min_offload_numel", [0, 100])
 def test_a_checkpoint_continues_training_bit_for_bit(min_offload_numel):
-    def fresh(dev):
-        torch.manual_seed(0)
-        model = on_sim(Toy(), dev)
-        return model, OffloadAdam(model.parameters(), dev, subgroup_numel=300, min_offload_numel=min_offload_numel,
-                                  **HYPER)
-
+    straight, checkpoint = straight_and_first(min_offload_numel=min_offload_numel)
     with device("sim") as dev:
-        straight, opt = fresh(dev)
-        train(straight, opt, 5)
-    with device("sim") as dev:
-        first, opt = fresh(dev)
-        train(first, opt, 3)
-        checkpoint = {"model": {k: v.clone() for k, v in first.state_dict().items()}, "opt": opt.state_dict()}
-    with device("sim") as dev:
-        resumed, opt = fresh(dev)
+        resumed, opt = fresh(dev, min_offload_numel=min_offload_numel)
         resumed.load_state_dict(checkpoint["model"])
         opt.load_state_dict(checkpoint["opt"])
         for step in range(3, 5):  # the same batches the straight run saw in steps 3 and 4
@@ -317,18 +324,8 @@ def test_a_checkpoint_loaded_in_a_new_process_continues_bit_for_bit(tmp_path):
     import sys
     from pathlib import Path
 
-    def fresh(dev):
-        torch.manual_seed(0)
-        model = on_sim(Toy(), dev)
-        return model, OffloadAdam(model.parameters(), dev, subgroup_numel=300, **HYPER)
-
-    with device("sim") as dev:
-        straight, opt = fresh(dev)
-        train(straight, opt, 5)
-    with device("sim") as dev:
-        first, opt = fresh(dev)
-        train(first, opt, 3)
-        torch.save({"model": first.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    straight, checkpoint = straight_and_first()
+    torch.save(checkpoint, tmp_path / "ckpt.pt")
     script = RESUME.format(tests=str(Path(__file__).parent), path=str(tmp_path / "ckpt.pt"),
                            out=str(tmp_path / "resumed.pt"))
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)

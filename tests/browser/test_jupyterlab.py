@@ -114,19 +114,24 @@ def run_all(browser, lab, notebook: str, last_line: str) -> tuple[list[str], obj
     return lines, page
 
 
+def assert_redraws(page, change) -> None:
+    """`change()` a widget control; the first widget figure on the page must be drawn again (a new image)."""
+    image = page.locator(".widget-output img").first
+    image.scroll_into_view_if_needed()
+    before = image.get_attribute("src")
+    change()
+    page.wait_for_function(
+        "before => { const i = document.querySelector('.widget-output img');"
+        " return i !== null && i.getAttribute('src') !== before; }", arg=before, timeout=30_000)
+
+
 def test_chapter_one_runs_in_jupyterlab_and_every_check_passes(browser, lab):
     lines, page = run_all(browser, lab, "01_memory_wall.ipynb", "PASS torch Adam")
     verdicts = [line for line in lines if line.startswith(("PASS ", "FAIL "))]
     assert len(verdicts) >= 7 and all(v.startswith("PASS ") for v in verdicts), verdicts
     assert page.locator('[data-mime-type="application/vnd.jupyter.error"]').count() == 0, "a cell raised"
     # the explorer widget is live: changing the placement redraws its figure
-    image = page.locator(".widget-output img").first
-    image.scroll_into_view_if_needed()
-    before = image.get_attribute("src")
-    page.locator(".widget-dropdown select").nth(2).select_option("optimizer_cpu")
-    page.wait_for_function(
-        "before => { const i = document.querySelector('.widget-output img');"
-        " return i !== null && i.getAttribute('src') !== before; }", arg=before, timeout=30_000)
+    assert_redraws(page, lambda: page.locator(".widget-dropdown select").nth(2).select_option("optimizer_cpu"))
     page.screenshot(path=str(SHOTS / "01_memory_wall_widget.png"))
     page.close()
 
@@ -145,12 +150,6 @@ def test_chapter_two_runs_in_jupyterlab_and_its_timeline_explorer_redraws(browse
     assert len(verdicts) >= 9 and all(v.startswith("PASS ") for v in verdicts), verdicts
     assert page.locator('[data-mime-type="application/vnd.jupyter.error"]').count() == 0, "a cell raised"
     # untick a lane in the explorer: its figure is drawn again without that lane
-    image = page.locator(".widget-output img").first
-    image.scroll_into_view_if_needed()
-    before = image.get_attribute("src")
-    page.locator(".widget-checkbox input").first.uncheck()
-    page.wait_for_function(
-        "before => { const i = document.querySelector('.widget-output img');"
-        " return i !== null && i.getAttribute('src') !== before; }", arg=before, timeout=30_000)
+    assert_redraws(page, lambda: page.locator(".widget-checkbox input").first.uncheck())
     page.screenshot(path=str(SHOTS / "02_moving_bytes_widget.png"))
     page.close()

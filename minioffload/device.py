@@ -20,9 +20,12 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
+
+from .memory import Ledger
 
 
 @dataclass(frozen=True)
@@ -52,16 +55,45 @@ def check_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
                          "into a buffer first")
 
 
-def reserve(ledger, names: itertools.count, shape, dtype: torch.dtype, name: str) -> tuple[tuple[int, ...], str]:
-    """Check a device allocation and count it in `ledger`'s "device" tier (OutOfMemoryError, nothing
-    changed, if it does not fit). Returns the shape as a tuple and the ledger key to free later."""
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    numel = math.prod(shape)
-    if numel <= 0:
-        raise ValueError(f"device tensors need at least one element, got shape {shape}")
-    key = f"{name}#{next(names)}"
-    ledger.allocate(key, "device", numel * torch.empty(0, dtype=dtype).element_size())
-    return shape, key
+class DeviceMemory:
+    """The device tier's books, shared by both backends: a `Ledger` with the device's capacity, and which
+    storages (by address) it counts, each freed from the ledger when its tensor is garbage collected."""
+
+    def __init__(self, capacity: int):
+        self.ledger = Ledger({"device": capacity})
+        self._names = itertools.count()
+        self._held: dict[int, str] = {}  # storage address -> ledger key
+
+    def reserve(self, shape, dtype: torch.dtype, name: str) -> tuple[tuple[int, ...], str]:
+        """Check an allocation and count it (OutOfMemoryError, nothing changed, if it does not fit).
+        Returns the shape as a tuple and the ledger key; `track` the tensor once it exists."""
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        numel = math.prod(shape)
+        if numel <= 0:
+            raise ValueError(f"device tensors need at least one element, got shape {shape}")
+        key = f"{name}#{next(self._names)}"
+        self.ledger.allocate(key, "device", numel * torch.empty(0, dtype=dtype).element_size())
+        return shape, key
+
+    def track(self, tensor: torch.Tensor, key: str) -> torch.Tensor:
+        address = tensor.untyped_storage().data_ptr()
+        self._held[address] = key
+        weakref.finalize(tensor, self._release, address, key).atexit = False
+        return tensor
+
+    def _release(self, address: int, key: str) -> None:
+        self._held.pop(address, None)
+        self.ledger.free(key)
+
+    def adopt(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Count an existing tensor (once, however often it is adopted)."""
+        if self.holds(tensor):
+            return tensor
+        _, key = self.reserve(tuple(tensor.shape), tensor.dtype, name)
+        return self.track(tensor, key)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self._held
 
 
 def lane_of(direction: str) -> str:

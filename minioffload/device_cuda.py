@@ -10,14 +10,12 @@ whatever torch calls the launched function makes on the current stream.
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from collections.abc import Callable
 
 import torch
 
-from .device import check_copy, lane_of, reserve
-from .memory import Ledger, OutOfMemoryError
+from .device import DeviceMemory, check_copy, lane_of
+from .memory import OutOfMemoryError
 from .trace import Trace
 
 
@@ -67,12 +65,11 @@ class CudaDevice:
     def __init__(self, index: int = 0, trace: Trace | None = None):
         self.torch_device = torch.device("cuda", index)
         torch.cuda.set_device(self.torch_device)
-        self.ledger = Ledger({"device": torch.cuda.get_device_properties(index).total_memory})
+        self.memory = DeviceMemory(torch.cuda.get_device_properties(index).total_memory)
+        self.ledger = self.memory.ledger
         self.trace = trace or Trace()
         self.default_stream = CudaStream("default", torch.cuda.current_stream(self.torch_device))
         self._pending: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event, int]] = []
-        self._names = itertools.count()
-        self._adopted: dict[int, str] = {}  # storage address -> ledger key, of tensors counted by adopt()
         # A reference point on both clocks: host time `_ref_time` is when event `_ref` completed.
         self._ref = torch.cuda.Event(enable_timing=True)
         self._ref.record(self.default_stream.stream)
@@ -87,7 +84,7 @@ class CudaDevice:
         return CudaEvent()
 
     def empty(self, shape, dtype: torch.dtype = torch.float32, name: str = "tensor") -> torch.Tensor:
-        shape, key = reserve(self.ledger, self._names, shape, dtype, name)
+        shape, key = self.memory.reserve(shape, dtype, name)
         try:
             tensor = torch.empty(shape, dtype=dtype, device=self.torch_device)
         except torch.OutOfMemoryError as err:  # the ledger allowed it, but the GPU holds other things too
@@ -95,8 +92,7 @@ class CudaDevice:
             self.ledger.free(key)
             free, total = torch.cuda.mem_get_info(self.torch_device)
             raise OutOfMemoryError("device", key, requested, free, total, "") from err
-        weakref.finalize(tensor, self.ledger.free, key).atexit = False
-        return tensor
+        return self.memory.track(tensor, key)
 
     def host_empty(self, shape, dtype: torch.dtype = torch.float32, pinned: bool = True) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=pinned)
@@ -108,17 +104,7 @@ class CudaDevice:
         """Count an existing CUDA tensor in `ledger` (it stays where it is)."""
         if tensor.device.type != "cuda":
             raise ValueError(f"{name} is on {tensor.device}; move it with .to('cuda') before adopting it")
-        address = tensor.untyped_storage().data_ptr()
-        if address in self._adopted:  # counted already
-            return tensor
-        _, key = reserve(self.ledger, self._names, tuple(tensor.shape), tensor.dtype, name)
-        self._adopted[address] = key
-        weakref.finalize(tensor, self._release, address, key).atexit = False
-        return tensor
-
-    def _release(self, address: int, key: str) -> None:
-        self._adopted.pop(address, None)
-        self.ledger.free(key)
+        return self.memory.adopt(tensor, name)
 
     def stream_waits_for_compute(self, stream: CudaStream) -> None:
         """Make `stream` wait for the work already queued on torch's current stream (e.g. backward)."""

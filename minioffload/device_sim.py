@@ -30,20 +30,18 @@ CPU; `duration=` pads it to a modelled kernel time when the chapter wants copy a
 
 from __future__ import annotations
 
-import itertools
 import math
 import queue
 import random
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable
 
 import torch
 
-from .device import Link, check_copy, lane_of, reserve
-from .memory import GiB, Ledger
+from .device import DeviceMemory, Link, check_copy, lane_of
+from .memory import GiB
 from .pinned import aligned_empty, is_pinned
 from .trace import Trace
 
@@ -181,7 +179,8 @@ class SimDevice:
                  trace: Trace | None = None, switch_interval: float = 1e-4):
         if pageable_slowdown < 1 or jitter < 0:
             raise ValueError(f"need pageable_slowdown >= 1 and jitter >= 0, got {pageable_slowdown}, {jitter}")
-        self.ledger = Ledger({"device": memory_bytes})
+        self.memory = DeviceMemory(memory_bytes)
+        self.ledger = self.memory.ledger
         self.trace = trace or Trace()
         self.links = {"h2d": h2d, "d2h": d2h}
         self.pageable_slowdown, self.jitter = pageable_slowdown, jitter
@@ -189,8 +188,6 @@ class SimDevice:
         self._rng_lock = threading.Lock()
         self._engines = {"h2d": threading.Lock(), "d2h": threading.Lock()}  # one copy engine per direction
         self._engine_free = {"h2d": 0.0, "d2h": 0.0}  # model time each engine finishes its last copy
-        self._device_storage: dict[int, str] = {}  # storage address -> ledger name
-        self._names = itertools.count()
         self._streams: list[SimStream] = []
         self._error: tuple[str, BaseException] | None = None
         self.closed = False
@@ -235,16 +232,8 @@ class SimDevice:
     def empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.float32,
               name: str = "tensor") -> torch.Tensor:
         """A zero-filled device tensor, counted in `ledger` until it is garbage collected."""
-        shape, key = reserve(self.ledger, self._names, shape, dtype, name)
-        tensor = torch.zeros(shape, dtype=dtype)  # touch every page now: device memory is resident
-        address = tensor.untyped_storage().data_ptr()
-        self._device_storage[address] = key
-        weakref.finalize(tensor, self._release, address, key).atexit = False
-        return tensor
-
-    def _release(self, address: int, key: str) -> None:
-        self._device_storage.pop(address, None)
-        self.ledger.free(key)
+        shape, key = self.memory.reserve(shape, dtype, name)
+        return self.memory.track(torch.zeros(shape, dtype=dtype), key)  # zeros: device memory is resident
 
     def host_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.float32,
                    pinned: bool = True) -> torch.Tensor:
@@ -255,17 +244,11 @@ class SimDevice:
         return aligned_empty(math.prod(shape) * torch.empty(0, dtype=dtype).element_size()).view(dtype).view(shape)
 
     def is_device(self, tensor: torch.Tensor) -> bool:
-        return tensor.untyped_storage().data_ptr() in self._device_storage
+        return self.memory.holds(tensor)
 
     def adopt(self, tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
         """Count an existing CPU tensor as device memory (a model "moved to" the sim device)."""
-        address = tensor.untyped_storage().data_ptr()
-        if address in self._device_storage:
-            return tensor
-        _, key = reserve(self.ledger, self._names, tuple(tensor.shape), tensor.dtype, name)
-        self._device_storage[address] = key
-        weakref.finalize(tensor, self._release, address, key).atexit = False
-        return tensor
+        return self.memory.adopt(tensor, name)
 
     # the host thread is the sim's compute stream: autograd and the forward run there -------------
     def stream_waits_for_compute(self, stream: SimStream) -> None:

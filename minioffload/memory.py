@@ -241,7 +241,9 @@ class Ledger:
         self._allocations: dict[str, Allocation] = {}
         self._history: list[Event] = []
         self._clock = clock
-        self._lock = threading.Lock()
+        # Reentrant: device backends free from weakref finalizers, which garbage collection can run while
+        # this thread is inside allocate(); a plain Lock would deadlock there.
+        self._lock = threading.RLock()
         for tier, capacity in (capacities or {}).items():
             self.add_tier(tier, capacity)
 

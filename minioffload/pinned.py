@@ -24,7 +24,9 @@ import torch
 ALIGNMENT = 4096  # one page; also a valid O_DIRECT alignment on common filesystems
 
 _registered: dict[int, int] = {}  # start address -> length, of buffers this module handed out as pinned
-_registry_lock = threading.Lock()
+# Reentrant: `_unregister` runs from a weakref finalizer, which garbage collection can start inside a
+# section that already holds the lock on the same thread; a plain Lock would deadlock there.
+_registry_lock = threading.RLock()
 
 
 def _cuda() -> bool:
@@ -70,7 +72,7 @@ def is_pinned(tensor: torch.Tensor) -> bool:
         return tensor.is_pinned()
     address = tensor.data_ptr()
     with _registry_lock:
-        return any(start <= address < start + length for start, length in _registered.items())
+        return any(start <= address < start + length for start, length in _registered.copy().items())
 
 
 class PoolExhausted(RuntimeError):

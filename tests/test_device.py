@@ -3,6 +3,7 @@
 Each test runs on the sim device, and on cuda when torch sees a GPU (marked `gpu`).
 """
 
+import threading
 import time
 
 import pytest
@@ -204,3 +205,21 @@ def test_jitter_catches_a_planted_missing_wait_and_never_fails_the_correct_pipel
     assert _correct(pipeline.WAITS) == 20
     caught = 20 - _correct(pipeline.WAITS - {"compute_after_h2d"})
     assert caught >= 11, f"a missing wait was caught in only {caught} of 20 jittered trials"
+
+
+def test_a_tensor_freed_while_the_ledger_lock_is_held_does_not_deadlock():
+    # Garbage collection can run a release finalizer inside ledger.allocate() on the same thread.
+    with device("sim") as dev:
+        x = dev.empty(16)
+        done = threading.Event()
+
+        def free_inside_the_lock():
+            nonlocal x
+            with dev.ledger._lock:
+                del x  # the finalizer runs right here and frees from the ledger
+            done.set()
+
+        worker = threading.Thread(target=free_inside_the_lock, daemon=True)
+        worker.start()
+        assert done.wait(5), "freeing a device tensor inside the ledger's lock deadlocked"
+        assert dev.ledger.used("device") == 0

@@ -125,3 +125,20 @@ def test_eight_threads_hammering_never_share_a_slot_and_return_every_buffer():
     assert not any(t.is_alive() for t in threads), "a worker hung"
     stats = pool.stats()
     assert not problems and stats.in_use == 0 and stats.acquires == 2400 and stats.peak_in_use <= 3
+
+
+def test_a_buffer_freed_while_the_registry_lock_is_held_does_not_deadlock():
+    from minioffload import pinned
+
+    buffer = aligned_empty(8192)
+    done = threading.Event()
+
+    def free_inside_the_lock():
+        nonlocal buffer
+        with pinned._registry_lock:
+            del buffer  # its finalizer unregisters it right here
+        done.set()
+
+    worker = threading.Thread(target=free_inside_the_lock, daemon=True)
+    worker.start()
+    assert done.wait(5), "freeing a pinned buffer inside the registry lock deadlocked"

@@ -78,6 +78,11 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
                     help="OffloadAdam with state in pinned host memory; --no-offload: torch AdamW on the device")
     tr.add_argument("--subgroup-numel", type=int, default=d.subgroup_numel,
                     help="elements per OffloadAdam subgroup")
+    tr.add_argument("--min-offload-numel", type=int, default=d.min_offload_numel,
+                    help="parameters with fewer elements stay on the device, updated there by torch AdamW")
+    tr.add_argument("--delay-updates-after", type=int, default=d.delay_updates_after, metavar="N",
+                    help="one-step delayed update (ZeRO-Offload's DPU) after N synchronous steps; "
+                         "off when not given")
     tr.add_argument("--max-grad-norm", type=parse_grad_norm, default=d.max_grad_norm,
                     help="clip gradients to this global norm; 'none' turns clipping off")
     tr.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step")

@@ -25,12 +25,21 @@ Parameters smaller than `min_offload_numel` elements (biases, norms) can stay on
 AdamW there: offloading them costs a copy each way for a few bytes. They join the clipping norm and the
 overflow check like the others.
 
-What this is not, yet: the one-step delayed update.
+With `delay_updates_after=n`, steps after the first n run ZeRO-Offload's one-step delayed parameter update
+(DPU): step() hands the CPU Adam to a background thread and returns, so the update overlaps the next
+forward and backward; its weights are sent at the following step(). The price is staleness: the gradient
+of iteration t is computed on the weights of update t-2, not t-1 (ZeRO-Offload starts DPU after a few
+dozen synchronous steps, when gradients change slowly). The update thread owns the fp32 gradient, master
+and moment buffers while it runs: every host read of them (accumulating a micro-batch, zero_grad with
+gradients pending, state_dict, master_weights) waits for it first. Its weights leave from upload buffers
+of their own, because the gradient staging is refilled by the next backward while they wait. Call
+`flush()` at the end of training to send the last update's weights.
 """
 
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -72,7 +81,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def __init__(self, params, dev, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, subgroup_numel: int = 1 << 22,
                  max_grad_norm: float | None = None, loss_scale: str | float | None = None,
-                 growth_interval: int = 2000, min_offload_numel: int = 0):
+                 growth_interval: int = 2000, min_offload_numel: int = 0, delay_updates_after: int | None = None):
         if subgroup_numel < 1:
             raise ValueError(f"subgroup_numel must be at least 1, got {subgroup_numel}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -80,6 +89,14 @@ class OffloadAdam(torch.optim.Optimizer):
         if not (loss_scale is None or loss_scale == "dynamic" or (isinstance(loss_scale, (int, float))
                                                                    and loss_scale > 0)):
             raise ValueError(f"loss_scale must be None, 'dynamic' or a positive number, got {loss_scale!r}")
+        if delay_updates_after is not None:
+            if isinstance(delay_updates_after, bool) or not isinstance(delay_updates_after, int) \
+                    or delay_updates_after < 0:
+                raise ValueError("delay_updates_after must be None (no delayed update) or the number of "
+                                 f"synchronous steps before it starts (an int >= 0), got {delay_updates_after!r}")
+            if min_offload_numel > 0:
+                raise ValueError("delay_updates_after needs every parameter offloaded: the device-side AdamW of "
+                                 "min_offload_numel would race with the next forward; set min_offload_numel=0")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not trainable:
@@ -95,6 +112,10 @@ class OffloadAdam(torch.optim.Optimizer):
         self.scale = 2.0**16 if self.dynamic else float(loss_scale or 1.0)
         self.growth_interval, self.clean_steps, self.skipped_steps = growth_interval, 0, 0
         self._uploaded = None  # event after the last H2D: the next forward waits for it
+        self.delay_updates_after, self.updates = delay_updates_after, 0  # updates: steps not skipped
+        self._update_thread = ThreadPoolExecutor(1, "offload-update") if delay_updates_after is not None else None
+        self._job: Future | None = None  # the delayed update in flight; its result: the slots it updated
+        self._unsent: list[_Slot] = []  # slots whose new weights wait in the upload buffers
         self._slots: dict[torch.nn.Parameter, _Slot] = {}
         self.subgroups: list[_Subgroup] = []
         self.kept = list(dict.fromkeys(p for p in trainable if p.numel() < min_offload_numel))  # stay on device
@@ -135,13 +156,16 @@ class OffloadAdam(torch.optim.Optimizer):
             host["grad"].zero_()
             for dtype in dtypes:  # staging: gradients arrive here, and 16-bit weights leave from here
                 host[f"staging {dtype}"] = self.dev.host_empty(sub.numel, dtype)
+                if self.delay_updates_after is not None:  # ... except with delayed updates: weights wait here
+                    host[f"upload {dtype}"] = self.dev.host_empty(sub.numel, dtype)
             for slot in sub.slots:
                 slot.view(host["master"]).copy_(slot.param.detach().reshape(-1).float().cpu())
             sub.buffers = host
 
-    def _staging(self, slot: _Slot) -> torch.Tensor:
-        """Pinned host memory for this parameter's gradient and weights in the model's dtype."""
-        return slot.view(slot.subgroup.buffers[f"staging {slot.param.dtype}"]).view(slot.param.shape)
+    def _staging(self, slot: _Slot, kind: str = "staging") -> torch.Tensor:
+        """Pinned host memory for this parameter in the model's dtype: `staging` for its gradient (and its
+        weights, without delayed updates), `upload` for the weights a delayed update left to send."""
+        return slot.view(slot.subgroup.buffers[f"{kind} {slot.param.dtype}"]).view(slot.param.shape)
 
     # backward: gradients leave the device as soon as they are ready ----------------------------
     def _offload_grad(self, param: torch.nn.Parameter) -> None:
@@ -160,6 +184,8 @@ class OffloadAdam(torch.optim.Optimizer):
         slot.has_grad = True
 
     def _add_pending(self, slot: _Slot) -> None:
+        if slot.pending:
+            self._wait_for_update()  # the delayed update may still be reading the gradient buffer
         for done, staging in slot.pending:
             done.synchronize()  # never read an in-flight copy
             slot.view(slot.subgroup.buffers["grad"]).add_(staging.reshape(-1).float())
@@ -172,6 +198,7 @@ class OffloadAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._send_delayed_weights()  # a delayed update from the last step: its weights go up now
         for slot in self._slots.values():
             self._add_pending(slot)
         if not self._grads_finite():  # overflow: skip this step everywhere, touch no state, lower the scale
@@ -179,24 +206,71 @@ class OffloadAdam(torch.optim.Optimizer):
             self.scale *= 0.5
             self.clean_steps = 0
             self.zero_grad()
+            self._next_forward_waits()
             return loss
         coef = self._clip_coefficient()
-        for sub in self.subgroups:
-            self._update(sub, coef)
-            self._upload(sub)
+        fresh = [slot for slot in self._slots.values() if slot.has_grad]
+        for slot in fresh:
+            slot.has_grad = False
+        hyper = {id(g): {k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in self.param_groups}
+        self.updates += 1
+        if self.delay_updates_after is not None and self.updates > self.delay_updates_after:
+            # the thread gets everything it reads now: a scheduler may change the LR before it runs
+            self._job = self._update_thread.submit(self._update_all, coef, fresh, hyper, False)
+        else:
+            self._update_all(coef, fresh, hyper, True)
         self._update_kept(coef)
         if self.dynamic:
             self.clean_steps += 1
             if self.clean_steps % self.growth_interval == 0:
                 self.scale *= 2.0
-        self._uploaded = self.dev.event()
-        self._uploaded.record(self.h2d)
-        self.dev.compute_waits_for(self._uploaded)  # the next forward reads the new weights, not the old
-        for slot in self._slots.values():
-            slot.has_grad = False
-        for sub in self.subgroups:
-            sub.buffers["grad"].zero_()
+        self._next_forward_waits()
         return loss
+
+    def _update_all(self, coef: float, fresh: list[_Slot], hyper: dict, send: bool) -> list[_Slot]:
+        """CPU Adam over every subgroup; `send`: each subgroup's weights go up while the next one updates,
+        else (delayed) they are rounded into the upload buffers for the next step() to send."""
+        fresh_ids = {id(slot) for slot in fresh}
+        if not send and self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous weights must have left the upload buffers
+        for sub in self.subgroups:
+            slots = [s for s in sub.slots if id(s) in fresh_ids]
+            self._update(sub, coef, slots, hyper)
+            if send:
+                self._upload(slots)
+            else:
+                for slot in slots:
+                    self._staging(slot, "upload").copy_(self._master(slot))
+            sub.buffers["grad"].zero_()
+        if send:
+            self._uploaded = self.dev.event()
+            self._uploaded.record(self.h2d)
+        return fresh
+
+    def _wait_for_update(self) -> None:
+        """Join the delayed update, if one runs (re-raising its error); its weights join the unsent."""
+        if self._job is not None:
+            job, self._job = self._job, None
+            self._unsent += job.result()
+
+    def _send_delayed_weights(self) -> None:
+        self._wait_for_update()
+        if self._unsent:
+            for slot in self._unsent:
+                self.dev.copy(slot.param.data, self._staging(slot, "upload"), self.h2d, name="h2d weights")
+            self._unsent = []
+            self._uploaded = self.dev.event()
+            self._uploaded.record(self.h2d)
+
+    def _next_forward_waits(self) -> None:
+        if self._uploaded is not None:
+            self.dev.compute_waits_for(self._uploaded)  # the next forward reads the new weights, not the old
+
+    def flush(self) -> None:
+        """Finish a delayed update and send its weights, so the model holds the latest ones (call it at the
+        end of training, before evaluating or saving the model). Without delayed updates: nothing to do."""
+        self._send_delayed_weights()
+        self._next_forward_waits()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call backward on: multiplied by the loss scale (1.0 unless loss scaling is on)."""
@@ -220,12 +294,12 @@ class OffloadAdam(torch.optim.Optimizer):
         self.last_grad_norm = math.sqrt(squares) / self.scale
         return min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6)) / self.scale
 
-    def _update(self, sub: _Subgroup, coef: float) -> None:
+    def _update(self, sub: _Subgroup, coef: float, slots: list[_Slot], hyper: dict) -> None:
+        """CPU Adam on the subgroup's `slots` (those that got a gradient), with `hyper`: group id -> lr etc."""
         buffers = sub.buffers
         if coef != 1.0:
             buffers["grad"].mul_(coef)
         # one call for the whole subgroup when its parameters agree; else one per parameter
-        slots = [s for s in sub.slots if s.has_grad]
         for s in slots:
             s.step += 1
         runs = [sub.slots] if len(slots) == len(sub.slots) and len({(s.step, id(s.group)) for s in slots}) == 1 \
@@ -234,7 +308,7 @@ class OffloadAdam(torch.optim.Optimizer):
             for run in runs:
                 first, last = run[0], run[-1]
                 span = slice(first.offset, last.offset + last.numel)
-                group = first.group
+                group = hyper[id(first.group)]
                 adam_fused(buffers["master"][span], buffers["grad"][span], buffers["exp_avg"][span],
                            buffers["exp_avg_sq"][span], step=first.step, lr=group["lr"], beta1=group["betas"][0],
                            beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"])
@@ -251,11 +325,12 @@ class OffloadAdam(torch.optim.Optimizer):
         with self.dev.trace.span("compute", "adam (kept on device)"):
             self._device_opt.step()
 
-    def _upload(self, sub: _Subgroup) -> None:
-        for slot in sub.slots:
-            if not slot.has_grad:
-                continue
-            master = slot.view(sub.buffers["master"]).view(slot.param.shape)
+    def _master(self, slot: _Slot) -> torch.Tensor:
+        return slot.view(slot.subgroup.buffers["master"]).view(slot.param.shape)
+
+    def _upload(self, slots: list[_Slot]) -> None:
+        for slot in slots:
+            master = self._master(slot)
             if slot.param.dtype == torch.float32:
                 source = master
             else:
@@ -265,23 +340,28 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def master_weights(self) -> list[torch.Tensor]:
         """The fp32 master copy of each trainable parameter, in the order the optimizer holds them."""
-        return [slot.view(slot.subgroup.buffers["master"]).view(slot.param.shape) for slot in self._slots.values()]
+        self._wait_for_update()
+        return [self._master(slot) for slot in self._slots.values()]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for slot in self._slots.values():
-            self._add_pending(slot)
-            slot.param.grad = None
-        for p in self.kept:
+        for p in [*self.kept, *self._slots]:
             p.grad = None
+        if not any(slot.has_grad or slot.pending for slot in self._slots.values()):
+            return  # nothing arrived since step() consumed the gradients (and zeroed their buffers)
+        for slot in self._slots.values():
+            self._add_pending(slot)  # waits for the copies (and a delayed update) before the buffers change
+            slot.has_grad = False
         for sub in self.subgroups:
             sub.buffers["grad"].zero_()
-        for slot in self._slots.values():
-            slot.has_grad = False
 
     # checkpoints --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Hyper-parameters, loss-scale state, and per parameter (in param_groups order) its step count,
-        fp32 master weights and moments, as CPU tensors."""
+        fp32 master weights and moments, as CPU tensors. With a delayed update in flight it waits for it;
+        the weights it has not sent yet are listed (`unsent`), so that a checkpoint loaded together with
+        the model's own state_dict (whose weights are one update behind) continues bit for bit."""
+        self._wait_for_update()
+        unsent = {id(slot) for slot in self._unsent}
         state = {}
         for index, slot in enumerate(self._slots.values()):
             buffers = slot.subgroup.buffers
@@ -290,12 +370,17 @@ class OffloadAdam(torch.optim.Optimizer):
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {"state": state, "param_groups": groups,
                 "loss_scale": {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped_steps},
+                "updates": self.updates,
+                "unsent": [i for i, slot in enumerate(self._slots.values()) if id(slot) in unsent],
                 "kept_shapes": [tuple(p.shape) for p in self.kept],
                 "kept": None if self._device_opt is None else self._device_opt.state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a `state_dict()` of an OffloadAdam over the same model; refuses (changing nothing) a
-        checkpoint of another model. The model's weights are set to the masters, rounded to their dtype."""
+        checkpoint of another model. The model's weights are set to the masters, rounded to their dtype,
+        except those a delayed update had not sent when the checkpoint was taken: with delayed updates on,
+        they are sent at the next step(), as they would have been (load the model's state_dict as well)."""
+        self._wait_for_update()
         slots = list(self._slots.values())
         saved = state_dict.get("state", {})
         if len(saved) != len(slots) or len(state_dict.get("param_groups", [])) != len(self.param_groups):
@@ -316,15 +401,18 @@ class OffloadAdam(torch.optim.Optimizer):
             slot.step = saved[index]["step"]
             for name in ("master", "exp_avg", "exp_avg_sq"):
                 slot.view(slot.subgroup.buffers[name]).copy_(saved[index][name])
-            slot.has_grad = True  # so that _upload sends every parameter
         if self._device_opt is not None:
             self._device_opt.load_state_dict(state_dict["kept"])
         scale = state_dict["loss_scale"]
         self.scale, self.clean_steps, self.skipped_steps = scale["scale"], scale["clean_steps"], scale["skipped"]
-        for sub in self.subgroups:
-            self._upload(sub)
+        self.updates = state_dict.get("updates", 0)
+        unsent = set(state_dict.get("unsent", [])) if self.delay_updates_after is not None else set()
+        self._unsent = [slot for index, slot in enumerate(slots) if index in unsent]
+        if self._unsent and self._uploaded is not None:
+            self._uploaded.synchronize()  # an earlier upload may still read the upload buffers
+        for slot in self._unsent:
+            self._staging(slot, "upload").copy_(self._master(slot))
+        self._upload([slot for index, slot in enumerate(slots) if index not in unsent])
         self._uploaded = self.dev.event()
         self._uploaded.record(self.h2d)
-        self.dev.compute_waits_for(self._uploaded)
-        for slot in slots:
-            slot.has_grad = False
+        self._next_forward_waits()

@@ -56,6 +56,8 @@ class TrainConfig:
     precision: str = "fp32"  # "fp32" | "bf16" (the model's parameters; optimizer state stays fp32)
     offload: bool = True  # True: OffloadAdam (state in pinned host memory); False: torch AdamW on the device
     subgroup_numel: int = 1 << 16  # OffloadAdam's subgroup size in elements
+    min_offload_numel: int = 0  # parameters smaller than this stay on the device (torch AdamW there)
+    delay_updates_after: int | None = None  # None: no delayed update; n: DPU after n synchronous steps
     max_grad_norm: float | None = 1.0  # clip by global norm; None turns clipping off
     grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0
@@ -79,6 +81,17 @@ class TrainConfig:
                 isinstance(self.max_grad_norm, (int, float)) and 0 < self.max_grad_norm < math.inf):
             raise ValueError(f"TrainConfig.max_grad_norm must be a positive number, or None to turn clipping "
                              f"off, got {self.max_grad_norm!r}")
+        for name in ("min_offload_numel", "delay_updates_after"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"TrainConfig.{name} must be an int >= 0, got {value!r}")
+        if self.min_offload_numel is None:
+            raise ValueError("TrainConfig.min_offload_numel must be an int >= 0 (0 offloads everything), got None")
+        if self.delay_updates_after is not None and self.min_offload_numel:
+            raise ValueError("TrainConfig.delay_updates_after needs min_offload_numel=0 (every parameter offloaded)")
+        if (self.delay_updates_after is not None or self.min_offload_numel) and not self.offload:
+            raise ValueError("TrainConfig.delay_updates_after and min_offload_numel are OffloadAdam settings: "
+                             "they need offload=True")
         if not isinstance(self.offload, bool):
             raise ValueError(f"TrainConfig.offload must be True or False, got {self.offload!r}")
 
@@ -182,7 +195,8 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, tqdm) -> Tr
     params = list(model.parameters())
     if config.offload:
         opt = OffloadAdam(params, dev, lr=config.lr, subgroup_numel=config.subgroup_numel,
-                          max_grad_norm=config.max_grad_norm)
+                          max_grad_norm=config.max_grad_norm, min_offload_numel=config.min_offload_numel,
+                          delay_updates_after=config.delay_updates_after)
     else:
         if config.precision == "bf16":
             warnings.warn("precision='bf16' with offload=False: torch AdamW updates the bf16 weights directly "
@@ -230,6 +244,8 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, tqdm) -> Tr
                             dev.adopt(t, "optimizer state")
                 state_adopted = True
         opt.zero_grad(set_to_none=True)
+        if step == config.steps and isinstance(opt, OffloadAdam):
+            opt.flush()  # a delayed update's last weights: evaluate and sample with them
         dev.synchronize()  # the step ends when its last copy has landed (the next forward waits for it)
         end = dev.trace.now()
         windows.append((first_span, len(dev.trace.spans), start, end))
@@ -304,8 +320,10 @@ def format_summary(summary: dict) -> str:
     """The summary as a small table, for the terminal."""
     cfg = summary["config"]
     step = summary["step_s"]
+    delayed = cfg.get("delay_updates_after")
     lines = [f"{cfg['model']} GPT, {summary['num_params']:,} parameters, {cfg['precision']}, "
-             f"{'OffloadAdam (state on the host)' if cfg['offload'] else 'AdamW on the device (baseline)'}, "
+             f"{'OffloadAdam (state on the host)' if cfg['offload'] else 'AdamW on the device (baseline)'}"
+             f"{'' if delayed is None else f', updates delayed one step after step {delayed}'}, "
              f"{cfg['device']} device",
              f"mean step time over {summary['steps_timed']} steps (the first step is left out; median "
              f"{summary['step_median_s'] * 1e3:.2f} ms):",

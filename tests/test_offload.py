@@ -1,5 +1,7 @@
 """OffloadAdam trains exactly like torch's AdamW: fp32 and bf16 models, accumulation, clipping, odd parameters."""
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -73,6 +75,7 @@ def straight_and_first(steps_before_saving=3, **options):
     with device("sim") as dev:
         straight, opt = fresh(dev, **options)
         train(straight, opt, 5)
+        opt.flush()  # a delayed update's last weights
     with device("sim") as dev:
         first, opt = fresh(dev, **options)
         train(first, opt, steps_before_saving)
@@ -217,6 +220,10 @@ def test_gradients_leave_the_device_and_the_trace_shows_every_phase():
     (lambda dev, m: OffloadAdam(Toy().parameters(), dev), "must be on the device"),
     (lambda dev, m: OffloadAdam(m.parameters(), dev, subgroup_numel=0), "subgroup_numel"),
     (lambda dev, m: OffloadAdam(m.parameters(), dev, max_grad_norm=-1.0), "max_grad_norm"),
+    (lambda dev, m: OffloadAdam(m.parameters(), dev, delay_updates_after=-1), "delay_updates_after must be"),
+    (lambda dev, m: OffloadAdam(m.parameters(), dev, delay_updates_after=True), "delay_updates_after must be"),
+    (lambda dev, m: OffloadAdam(m.parameters(), dev, delay_updates_after=0, min_offload_numel=10),
+     "needs every parameter offloaded"),
 ])
 def test_bad_input_is_refused_clearly(make, match):
     with device("sim") as dev:
@@ -268,11 +275,13 @@ def test_loss_scaling_by_a_power_of_two_changes_nothing_and_an_overflow_skips_th
             assert all(torch.equal(saved[k], after["state"][index][k]) for k in ("master", "exp_avg", "exp_avg_sq"))
 
 
-@pytest.mark.parametrize("min_offload_numel", [0, 100])
-def test_a_checkpoint_continues_training_bit_for_bit(min_offload_numel):
-    straight, checkpoint = straight_and_first(min_offload_numel=min_offload_numel)
+@pytest.mark.parametrize("options", [{}, {"min_offload_numel": 100}, {"delay_updates_after": 1}])
+def test_a_checkpoint_continues_training_bit_for_bit(options):
+    straight, checkpoint = straight_and_first(**options)
+    if "delay_updates_after" in options:  # saved with an update not yet sent: the model is one update behind
+        assert checkpoint["opt"]["unsent"]
     with device("sim") as dev:
-        resumed, opt = fresh(dev, min_offload_numel=min_offload_numel)
+        resumed, opt = fresh(dev, **options)
         resumed.load_state_dict(checkpoint["model"])
         opt.load_state_dict(checkpoint["opt"])
         for step in range(3, 5):  # the same batches the straight run saw in steps 3 and 4
@@ -280,6 +289,7 @@ def test_a_checkpoint_continues_training_bit_for_bit(min_offload_numel):
             loss_of(resumed, idx, targets).backward()
             opt.step()
             opt.zero_grad()
+        opt.flush()
     assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters(), strict=True))
 
 
@@ -342,3 +352,109 @@ def test_small_parameters_kept_on_the_device_send_no_copies():
         copied = {s.nbytes for s in dev.trace.spans if s.lane == "d2h"}
     assert 64 * 4 not in copied and 16 * 4 not in copied  # the biases never crossed the link
     assert all(p not in opt._slots for p in opt.kept)
+
+
+# the one-step delayed update (DPU) ----------------------------------------------------------------
+def delayed_reference(model, steps, synchronous, micro_batches=1, clip=None):
+    """torch AdamW on an fp32 master copy; the model trains on weights one update behind after the first
+    `synchronous` steps (iteration t sees update t-2). Returns the losses and the master model."""
+    master = Toy()
+    master.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(master.parameters(), foreach=False, **HYPER)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(micro_batches):
+            idx, targets = batch(100 * step + micro)
+            loss = loss_of(model, idx, targets) / micro_batches
+            loss.backward()
+            total += loss.item()
+        for p, q in zip(model.parameters(), master.parameters(), strict=True):
+            q.grad, p.grad = p.grad, None
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
+        before = [q.detach().clone() for q in master.parameters()]
+        opt.step()
+        schedule.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p, q, old in zip(model.parameters(), master.parameters(), before, strict=True):
+                p.copy_(q if step < synchronous else old)
+        losses.append(total)
+    return losses, master
+
+
+@pytest.mark.parametrize("synchronous, micro_batches, clip", [(0, 1, None), (2, 1, 0.5), (1, 3, None)])
+def test_delayed_updates_train_one_update_behind(synchronous, micro_batches, clip):
+    ours, theirs = pair()
+    with device("sim") as dev:
+        opt = OffloadAdam(on_sim(ours, dev).parameters(), dev, subgroup_numel=300, max_grad_norm=clip,
+                          delay_updates_after=synchronous, **HYPER)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        losses = []
+        for step in range(6):
+            total = 0.0
+            for micro in range(micro_batches):
+                idx, targets = batch(100 * step + micro)
+                loss = loss_of(ours, idx, targets) / micro_batches
+                loss.backward()
+                total += loss.item()
+            opt.step()
+            schedule.step()  # changes the LR while the delayed update runs: it must use the one of its step
+            opt.zero_grad()
+            losses.append(total)
+        opt.flush()
+        masters = [m.clone() for m in opt.master_weights()]
+    theirs_losses, master = delayed_reference(theirs, 6, synchronous, micro_batches, clip)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(theirs_losses), rtol=1e-5, atol=1e-6)
+    for a, b in zip(ours.parameters(), master.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # flushed: the model holds the last update
+    for c, b in zip(masters, [p for p in master.parameters() if p.requires_grad], strict=True):
+        torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-6)
+    if synchronous == 0:  # the staleness is real: training without the delay takes another path
+        _, plain = pair()
+        plain_losses = train(plain, torch.optim.AdamW(plain.parameters(), foreach=False, **HYPER), 6)
+        assert abs(plain_losses[-1] - losses[-1]) > 1e-4
+
+
+def test_a_delayed_update_runs_behind_step_and_its_errors_surface(monkeypatch):
+    import minioffload.offload as offload
+
+    gate, threads = threading.Event(), []
+
+    def held_adam(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        assert gate.wait(10), "the test never opened the gate"
+        return real_adam(*args, **kwargs)
+
+    real_adam = offload.adam_fused
+    monkeypatch.setattr(offload, "adam_fused", held_adam)
+    torch.manual_seed(0)
+    with device("sim") as dev:
+        model = on_sim(Toy(), dev)
+        opt = OffloadAdam(model.parameters(), dev, delay_updates_after=1, **HYPER)
+        for step in range(2):
+            if step == 1:
+                gate.clear()
+            else:
+                gate.set()
+            loss_of(model, *batch(step)).backward()
+            opt.step()  # step 1 (delayed) returns while its update is held at the gate
+            opt.zero_grad()
+        assert threads[0] == "MainThread" and threads[-1].startswith("offload-update")
+        before = [p.detach().clone() for p in model.parameters()]
+        loss_of(model, *batch(5)).backward()  # the next backward runs while the update waits
+        gate.set()
+        opt.step()
+        assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+        def broken_adam(*args, **kwargs):
+            raise RuntimeError("adam broke")
+
+        monkeypatch.setattr(offload, "adam_fused", broken_adam)
+        opt.zero_grad()
+        loss_of(model, *batch(6)).backward()
+        with pytest.raises(RuntimeError, match="adam broke"):
+            opt.step()  # the update of the previous step() fails in the thread: the next call says so
+            opt.flush()

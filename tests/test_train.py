@@ -73,7 +73,8 @@ def test_bf16_runs(tmp_path):
 @pytest.mark.parametrize("field, value", [
     ("device", "tpu"), ("model", "huge"), ("precision", "fp8"), ("steps", 0), ("batch_size", -1),
     ("block_size", 2.5), ("lr", 0.0), ("max_grad_norm", -1.0), ("grad_accum", 0), ("eval_every", 0),
-    ("subgroup_numel", 0), ("offload", "yes"),
+    ("subgroup_numel", 0), ("offload", "yes"), ("min_offload_numel", -1), ("delay_updates_after", -2),
+    ("delay_updates_after", True),
 ])
 def test_bad_config_is_refused_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"TrainConfig.{field} "):
@@ -96,3 +97,21 @@ def test_cli_flags_reach_the_config(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--grad-accum", "0"])
     assert exit_info.value.code == 2 and "--grad-accum must be a positive int" in capsys.readouterr().err
+
+
+def test_delayed_updates_and_kept_parameters_from_the_command_line(tmp_path, capsys):
+    for flags in (["--delay-updates-after", "2"], ["--min-offload-numel", "1000"]):
+        out = tmp_path / flags[0].strip("-")
+        assert main(["train", "--device", "sim", "--steps", "8", "--block-size", "16", "--batch-size", "8",
+                     "--no-progress", "--out-dir", str(out), *flags]) == 0
+        summary = json.loads((out / "summary.json").read_text())
+        field = flags[0].strip("-").replace("-", "_")
+        assert summary["config"][field] == int(flags[1])
+        with open(out / "loss.csv") as f:
+            losses = [float(row["train_loss"]) for row in csv.DictReader(f)]
+        assert losses[-1] < losses[0] - 0.1  # it learns
+    with pytest.raises(SystemExit):
+        main(["train", "--delay-updates-after", "1", "--min-offload-numel", "10"])
+    assert "--delay-updates-after needs min_offload_numel=0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="need offload=True"):
+        TrainConfig(offload=False, delay_updates_after=0)

@@ -115,7 +115,8 @@ def device(kind: str = "auto", **options):
         if not torch.cuda.is_available():
             raise RuntimeError("device('cuda') needs a CUDA GPU and a CUDA build of torch; use device('sim') "
                                "to run on the CPU")
-        sim_only = {"memory_bytes", "h2d", "d2h", "jitter", "seed", "pageable_slowdown", "switch_interval"}
+        sim_only = {"memory_bytes", "h2d", "d2h", "jitter", "seed", "pageable_slowdown", "switch_interval",
+                    "adam_rate"}
         if sim_only & options.keys():
             warnings.warn(f"options {sorted(sim_only & options.keys())} only apply to the sim device; ignored",
                           stacklevel=2)

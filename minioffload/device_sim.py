@@ -170,15 +170,19 @@ class SimStream:
 
 class SimDevice:
     """A simulated GPU. Defaults model a small GPU on a slow link, so that copies of a few MiB take
-    milliseconds: 4 GiB of memory, 2 GB/s each way (pinned), pageable copies 2x slower."""
+    milliseconds: 4 GiB of memory, 2 GB/s each way (pinned), pageable copies 2x slower. `adam_rate`: how many
+    params/s a device-side Adam updates (chapter 5's hybrid update launches it with that modelled duration)."""
 
     kind = "sim"
 
     def __init__(self, memory_bytes: int = 4 * GiB, h2d: Link = SLOW_LINK, d2h: Link = SLOW_LINK,
                  pageable_slowdown: float = 2.0, jitter: float = 0.0, seed: int | None = None,
-                 trace: Trace | None = None, switch_interval: float = 1e-4):
+                 trace: Trace | None = None, switch_interval: float = 1e-4, adam_rate: float = 1e9):
         if pageable_slowdown < 1 or jitter < 0:
             raise ValueError(f"need pageable_slowdown >= 1 and jitter >= 0, got {pageable_slowdown}, {jitter}")
+        if not 0 < adam_rate < math.inf:
+            raise ValueError(f"adam_rate (params/s of a device-side Adam) must be positive and finite, got {adam_rate}")
+        self.adam_rate = adam_rate  # a device-side Adam of n params is modelled to take n / adam_rate seconds
         self.memory = DeviceMemory(memory_bytes)
         self.ledger = self.memory.ledger
         self.trace = trace or Trace()

@@ -34,6 +34,10 @@ and moment buffers while it runs: every host read of them (accumulating a micro-
 gradients pending, state_dict, master_weights) waits for it first. Its weights leave from upload buffers
 of their own, because the gradient staging is refilled by the next backward while they wait. Call
 `flush()` at the end of training to send the last update's weights.
+
+With `gpu_fraction` or `stride` (chapter 5, hybrid.py) some subgroups are updated on the device instead:
+their gradients stay there, their state either lives there (`gpu_fraction`) or is copied in and out
+around a device-side Adam (`stride`) while the CPU updates the other subgroups.
 """
 
 from __future__ import annotations
@@ -44,7 +48,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import hybrid
 from .adam import adam_fused
+
+STATE = ("master", "exp_avg", "exp_avg_sq")
 
 
 @dataclass
@@ -67,6 +74,8 @@ class _Slot:
 @dataclass
 class _Subgroup:
     numel: int
+    where: str = "cpu"  # "cpu": updated on the host; "resident": state and update on the device; "streamed":
+    #                    state on the host, copied to the device, updated there, copied back
     slots: list[_Slot] = field(default_factory=list)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (numel,) pinned host tensor
 
@@ -81,7 +90,8 @@ class OffloadAdam(torch.optim.Optimizer):
     def __init__(self, params, dev, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, subgroup_numel: int = 1 << 22,
                  max_grad_norm: float | None = None, loss_scale: str | float | None = None,
-                 growth_interval: int = 2000, min_offload_numel: int = 0, delay_updates_after: int | None = None):
+                 growth_interval: int = 2000, min_offload_numel: int = 0, delay_updates_after: int | None = None,
+                 gpu_fraction: float | None = None, stride: int | None = None):
         if subgroup_numel < 1:
             raise ValueError(f"subgroup_numel must be at least 1, got {subgroup_numel}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -97,6 +107,10 @@ class OffloadAdam(torch.optim.Optimizer):
             if min_offload_numel > 0:
                 raise ValueError("delay_updates_after needs every parameter offloaded: the device-side AdamW of "
                                  "min_offload_numel would race with the next forward; set min_offload_numel=0")
+        hybrid.check_split(gpu_fraction, stride)
+        if delay_updates_after is not None and (gpu_fraction or stride):
+            raise ValueError("delay_updates_after and a hybrid update (gpu_fraction, stride) do not combine: the "
+                             "device-side update would race with the next forward; choose one")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not trainable:
@@ -107,6 +121,8 @@ class OffloadAdam(torch.optim.Optimizer):
                              "dev.adopt(p) for each (sim) or model.to('cuda') (cuda)")
         self.dev, self.subgroup_numel, self.max_grad_norm = dev, subgroup_numel, max_grad_norm
         self.d2h, self.h2d = dev.stream("offload d2h"), dev.stream("offload h2d")
+        self.gpu_fraction, self.stride = gpu_fraction, stride
+        self._device_done: list = []  # events: the device path's weights written, its state home again
         self.last_grad_norm: float | None = None  # before clipping, unscaled; None when clipping is off
         self.dynamic = loss_scale == "dynamic"
         self.scale = 2.0**16 if self.dynamic else float(loss_scale or 1.0)
@@ -148,7 +164,24 @@ class OffloadAdam(torch.optim.Optimizer):
                 current.slots.append(slot)
                 current.numel += p.numel()
                 self._slots[p] = slot
+        resident, streamed = hybrid.device_subgroups(len(self.subgroups), self.gpu_fraction, self.stride)
+        for index in resident:
+            self.subgroups[index].where = "resident"
+        for index in streamed:
+            self.subgroups[index].where = "streamed"
+        self._allocate_device_state()  # first: a split that does not fit fails here, before anything moves
         for sub in self.subgroups:
+            if sub.where == "resident":
+                for slot in sub.slots:
+                    slot.view(sub.buffers["master"]).copy_(slot.param.detach().reshape(-1))
+                continue
+            if sub.where == "streamed":  # state on the host; gradients and the update on the device
+                sub.buffers = {name: self.dev.host_empty(sub.numel) for name in STATE}
+                sub.buffers["exp_avg"].zero_()
+                sub.buffers["exp_avg_sq"].zero_()
+                for slot in sub.slots:
+                    slot.view(sub.buffers["master"]).copy_(slot.param.detach().reshape(-1).float().cpu())
+                continue
             dtypes = {s.param.dtype for s in sub.slots}
             host = {name: self.dev.host_empty(sub.numel) for name in ("master", "exp_avg", "exp_avg_sq", "grad")}
             host["exp_avg"].zero_()
@@ -162,6 +195,25 @@ class OffloadAdam(torch.optim.Optimizer):
                 slot.view(host["master"]).copy_(slot.param.detach().reshape(-1).float().cpu())
             sub.buffers = host
 
+    def _allocate_device_state(self) -> None:
+        """Device memory of the hybrid update, in one allocation (it fits whole or raises, nothing held): a
+        resident subgroup's state and gradient (16 B/param), and two scratch sets of the largest streamed
+        subgroup's size (one copies while the other updates)."""
+        self._scratch = []
+        resident = [sub for sub in self.subgroups if sub.where == "resident"]
+        largest = max((sub.numel for sub in self.subgroups if sub.where == "streamed"), default=0)
+        total = 4 * (sum(sub.numel for sub in resident) + 2 * largest)
+        if not total:
+            return
+        flat = self.dev.empty(total, name="optimizer state on the device")
+        parts = iter(flat.split([sub.numel for sub in resident for _ in range(4)] + [largest] * 8))
+        for sub in resident:
+            sub.buffers = {name: next(parts) for name in (*STATE, "grad")}
+        if largest:
+            self._scratch = [{name: next(parts) for name in (*STATE, "grad")} for _ in range(2)]
+            self.state_in, self.state_out = self.dev.stream("state h2d"), self.dev.stream("state d2h")
+        self.gpu = self.dev.stream("device adam")
+
     def _staging(self, slot: _Slot, kind: str = "staging") -> torch.Tensor:
         """Pinned host memory for this parameter in the model's dtype: `staging` for its gradient (and its
         weights, without delayed updates), `upload` for the weights a delayed update left to send."""
@@ -170,6 +222,11 @@ class OffloadAdam(torch.optim.Optimizer):
     # backward: gradients leave the device as soon as they are ready ----------------------------
     def _offload_grad(self, param: torch.nn.Parameter) -> None:
         slot = self._slots[param]
+        if slot.subgroup.where != "cpu":  # updated on the device: the gradient stays (torch accumulates into it)
+            if not self.dev.is_device(param.grad):
+                self.dev.adopt(param.grad, "grad")
+            slot.has_grad = True
+            return
         self._add_pending(slot)  # a previous micro-batch's copy must be added in before its staging is reused
         grad, param.grad = param.grad.contiguous(), None  # the device gradient goes once its copy is done
         self.dev.adopt(grad, "grad")  # autograd made it on the device: count it there until it is freed
@@ -214,6 +271,7 @@ class OffloadAdam(torch.optim.Optimizer):
             slot.has_grad = False
         hyper = {id(g): {k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in self.param_groups}
         self.updates += 1
+        self._update_on_device(coef, fresh, hyper)  # queued on device streams: runs beside the CPU update below
         if self.delay_updates_after is not None and self.updates > self.delay_updates_after:
             # the thread gets everything it reads now: a scheduler may change the LR before it runs
             self._job = self._update_thread.submit(self._update_all, coef, fresh, hyper, False)
@@ -234,6 +292,8 @@ class OffloadAdam(torch.optim.Optimizer):
         if not send and self._uploaded is not None:
             self._uploaded.synchronize()  # the previous weights must have left the upload buffers
         for sub in self.subgroups:
+            if sub.where != "cpu":
+                continue
             slots = [s for s in sub.slots if id(s) in fresh_ids]
             self._update(sub, coef, slots, hyper)
             if send:
@@ -246,6 +306,77 @@ class OffloadAdam(torch.optim.Optimizer):
             self._uploaded = self.dev.event()
             self._uploaded.record(self.h2d)
         return fresh
+
+    def _update_on_device(self, coef: float, fresh: list[_Slot], hyper: dict) -> None:
+        """Queue the device path of the hybrid update; returns at once. Streamed subgroups alternate between
+        two scratch sets: state in (h2d) -> device Adam -> state out (d2h), each on its own stream."""
+        fresh_ids = {id(slot) for slot in fresh}
+        dev, queued = self.dev, 0
+        for sub in self.subgroups:
+            slots = [s for s in sub.slots if id(s) in fresh_ids] if sub.where != "cpu" else []
+            if not slots:
+                continue
+            grads = [slot.param.grad for slot in slots]  # the launched update holds them until it has run
+            for slot in slots:
+                slot.param.grad = None  # consumed, as the offloaded gradients are: the next backward starts afresh
+            runs = self._runs(sub, slots)
+            if sub.where == "streamed":
+                scratch = self._scratch[queued % 2]
+                queued += 1
+                for waits in (scratch.get("free"), *self._device_done[1:]):  # its last user done; last step home
+                    if waits is not None:
+                        self.state_in.wait(waits)
+                buffers = {name: scratch[name][:sub.numel] for name in (*STATE, "grad")}
+                for name in STATE:
+                    dev.copy(buffers[name], sub.buffers[name], self.state_in, name=f"h2d {name}")
+                arrived = dev.event()
+                arrived.record(self.state_in)
+                self.gpu.wait(arrived)
+            else:
+                buffers = sub.buffers
+            dev.stream_waits_for_compute(self.gpu)  # backward wrote the gradients
+            if dev.kind == "cuda":
+                for grad in grads:
+                    grad.record_stream(self.gpu.stream)
+            dev.launch(self.gpu, self._device_adam, buffers, slots, grads, runs, coef, hyper,
+                       name=f"device adam {sub.numel / 1e6:.2f}M",
+                       duration=sub.numel / dev.adam_rate if dev.kind == "sim" else None)
+            if sub.where == "streamed":
+                updated = dev.event()
+                updated.record(self.gpu)
+                self.state_out.wait(updated)
+                for name in STATE:
+                    dev.copy(sub.buffers[name], buffers[name], self.state_out, name=f"d2h {name}")
+                scratch["free"] = dev.event()
+                scratch["free"].record(self.state_out)
+        if not hasattr(self, "gpu"):
+            return
+        self._device_done = [dev.event()]
+        self._device_done[0].record(self.gpu)
+        if queued:
+            self._device_done.append(dev.event())
+            self._device_done[1].record(self.state_out)
+
+    @staticmethod
+    def _device_adam(buffers: dict, slots: list[_Slot], grads: list, runs: list, coef: float, hyper: dict) -> None:
+        """On the device stream: gather the gradients into the flat buffer, Adam, write the weights."""
+        flat = buffers["grad"]
+        for slot, grad in zip(slots, grads, strict=True):
+            slot.view(flat).copy_(grad.reshape(-1))
+        if coef != 1.0:
+            flat.mul_(coef)
+        for run in runs:
+            span = slice(run[0].offset, run[-1].offset + run[-1].numel)
+            h = hyper[id(run[0].group)]
+            hybrid.device_adam(buffers["master"][span], flat[span], buffers["exp_avg"][span],
+                               buffers["exp_avg_sq"][span], step=run[0].step, **h)
+        for slot in slots:
+            slot.param.data.copy_(slot.view(buffers["master"]).view(slot.param.shape))
+
+    def _wait_for_device(self) -> None:
+        """The host waits for the device path: its weights written and its state back in host memory."""
+        for event in self._device_done:
+            event.synchronize()
 
     def _wait_for_update(self) -> None:
         """Join the delayed update, if one runs (re-raising its error); its weights join the unsent."""
@@ -263,8 +394,9 @@ class OffloadAdam(torch.optim.Optimizer):
             self._uploaded.record(self.h2d)
 
     def _next_forward_waits(self) -> None:
-        if self._uploaded is not None:
-            self.dev.compute_waits_for(self._uploaded)  # the next forward reads the new weights, not the old
+        for event in [self._uploaded, *self._device_done[:1]]:
+            if event is not None:
+                self.dev.compute_waits_for(event)  # the next forward reads the new weights, not the old
 
     def flush(self) -> None:
         """Finish a delayed update and send its weights, so the model holds the latest ones (call it at the
@@ -276,12 +408,20 @@ class OffloadAdam(torch.optim.Optimizer):
         """The loss to call backward on: multiplied by the loss scale (1.0 unless loss scaling is on)."""
         return loss * self.scale if self.scale != 1.0 else loss
 
+    def _on_cpu(self) -> list[_Subgroup]:
+        return [sub for sub in self.subgroups if sub.where == "cpu"]
+
+    def _device_grads(self) -> list[torch.Tensor]:
+        """The gradients that stay on the device: kept small parameters, and subgroups updated there."""
+        params = [*self.kept, *(slot.param for slot in self._slots.values() if slot.subgroup.where != "cpu")]
+        return [p.grad for p in params if p.grad is not None]
+
     def _grads_finite(self) -> bool:
         """One flag from every subgroup: is any gradient inf or NaN? (Only checked with loss scaling on.)"""
         if self.scale == 1.0 and not self.dynamic:
             return True
-        return all(bool(torch.isfinite(sub.buffers["grad"]).all()) for sub in self.subgroups) and all(
-            bool(torch.isfinite(p.grad).all()) for p in self.kept if p.grad is not None)
+        return all(bool(torch.isfinite(sub.buffers["grad"]).all()) for sub in self._on_cpu()) and all(
+            bool(torch.isfinite(grad).all()) for grad in self._device_grads())
 
     def _clip_coefficient(self) -> float:
         """What multiplies every gradient before the update: 1/scale, times the clip factor computed from the
@@ -289,8 +429,8 @@ class OffloadAdam(torch.optim.Optimizer):
         if self.max_grad_norm is None:  # no clipping: skip a pass over every gradient
             self.last_grad_norm = None
             return 1.0 / self.scale
-        squares = sum(float(sub.buffers["grad"].double().square().sum()) for sub in self.subgroups)
-        squares += sum(float(p.grad.double().square().sum()) for p in self.kept if p.grad is not None)
+        squares = sum(float(sub.buffers["grad"].double().square().sum()) for sub in self._on_cpu())
+        squares += sum(float(grad.double().square().sum()) for grad in self._device_grads())
         self.last_grad_norm = math.sqrt(squares) / self.scale
         return min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6)) / self.scale
 
@@ -299,11 +439,7 @@ class OffloadAdam(torch.optim.Optimizer):
         buffers = sub.buffers
         if coef != 1.0:
             buffers["grad"].mul_(coef)
-        # one call for the whole subgroup when its parameters agree; else one per parameter
-        for s in slots:
-            s.step += 1
-        runs = [sub.slots] if len(slots) == len(sub.slots) and len({(s.step, id(s.group)) for s in slots}) == 1 \
-            else [[s] for s in slots]
+        runs = self._runs(sub, slots)
         with self.dev.trace.span("cpu", f"adam {sub.numel / 1e6:.2f}M", 28 * sub.numel):
             for run in runs:
                 first, last = run[0], run[-1]
@@ -312,6 +448,16 @@ class OffloadAdam(torch.optim.Optimizer):
                 adam_fused(buffers["master"][span], buffers["grad"][span], buffers["exp_avg"][span],
                            buffers["exp_avg_sq"][span], step=first.step, lr=group["lr"], beta1=group["betas"][0],
                            beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"])
+
+    @staticmethod
+    def _runs(sub: _Subgroup, slots: list[_Slot]) -> list[list[_Slot]]:
+        """Count a step for each slot; group them into runs that one Adam call can update: the whole
+        subgroup when every parameter has a gradient, the same step count and group; else one per parameter."""
+        for s in slots:
+            s.step += 1
+        if len(slots) == len(sub.slots) and len({(s.step, id(s.group)) for s in slots}) == 1:
+            return [sub.slots]
+        return [[s] for s in slots]
 
     def _update_kept(self, coef: float) -> None:
         """The small parameters kept on the device: torch's AdamW there, with the same coefficient."""
@@ -341,6 +487,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def master_weights(self) -> list[torch.Tensor]:
         """The fp32 master copy of each trainable parameter, in the order the optimizer holds them."""
         self._wait_for_update()
+        self._wait_for_device()
         return [self._master(slot) for slot in self._slots.values()]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -351,7 +498,7 @@ class OffloadAdam(torch.optim.Optimizer):
         for slot in self._slots.values():
             self._add_pending(slot)  # waits for the copies (and a delayed update) before the buffers change
             slot.has_grad = False
-        for sub in self.subgroups:
+        for sub in self._on_cpu():
             sub.buffers["grad"].zero_()
 
     # checkpoints --------------------------------------------------------------------------------
@@ -361,12 +508,13 @@ class OffloadAdam(torch.optim.Optimizer):
         the weights it has not sent yet are listed (`unsent`), so that a checkpoint loaded together with
         the model's own state_dict (whose weights are one update behind) continues bit for bit."""
         self._wait_for_update()
+        self._wait_for_device()
         unsent = {id(slot) for slot in self._unsent}
         state = {}
         for index, slot in enumerate(self._slots.values()):
             buffers = slot.subgroup.buffers
             state[index] = {"step": slot.step, "shape": tuple(slot.param.shape),
-                            **{name: slot.view(buffers[name]).clone() for name in ("master", "exp_avg", "exp_avg_sq")}}
+                            **{name: slot.view(buffers[name]).to("cpu", copy=True) for name in STATE}}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {"state": state, "param_groups": groups,
                 "loss_scale": {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped_steps},
@@ -381,6 +529,7 @@ class OffloadAdam(torch.optim.Optimizer):
         except those a delayed update had not sent when the checkpoint was taken: with delayed updates on,
         they are sent at the next step(), as they would have been (load the model's state_dict as well)."""
         self._wait_for_update()
+        self._wait_for_device()
         slots = list(self._slots.values())
         saved = state_dict.get("state", {})
         if len(saved) != len(slots) or len(state_dict.get("param_groups", [])) != len(self.param_groups):
@@ -399,7 +548,7 @@ class OffloadAdam(torch.optim.Optimizer):
             group.update(saved_group)
         for index, slot in enumerate(slots):
             slot.step = saved[index]["step"]
-            for name in ("master", "exp_avg", "exp_avg_sq"):
+            for name in STATE:
                 slot.view(slot.subgroup.buffers[name]).copy_(saved[index][name])
         if self._device_opt is not None:
             self._device_opt.load_state_dict(state_dict["kept"])
@@ -412,7 +561,10 @@ class OffloadAdam(torch.optim.Optimizer):
             self._uploaded.synchronize()  # an earlier upload may still read the upload buffers
         for slot in self._unsent:
             self._staging(slot, "upload").copy_(self._master(slot))
-        self._upload([slot for index, slot in enumerate(slots) if index not in unsent])
+        self._upload([slot for index, slot in enumerate(slots) if index not in unsent and slot.subgroup.where == "cpu"])
+        for slot in slots:
+            if slot.subgroup.where != "cpu":  # updated on the device: its weights are written directly
+                slot.param.data.copy_(self._master(slot))
         self._uploaded = self.dev.event()
         self._uploaded.record(self.h2d)
         self._next_forward_waits()

@@ -1,6 +1,7 @@
 """OffloadAdam trains exactly like torch's AdamW: fp32 and bf16 models, accumulation, clipping, odd parameters."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -442,6 +443,10 @@ def test_a_delayed_update_runs_behind_step_and_its_errors_surface(monkeypatch):
             loss_of(model, *batch(step)).backward()
             opt.step()  # step 1 (delayed) returns while its update is held at the gate
             opt.zero_grad()
+        for _ in range(1000):  # the update thread reaches the gate soon after step() returned
+            if threads[-1] != "MainThread":
+                break
+            time.sleep(0.01)
         assert threads[0] == "MainThread" and threads[-1].startswith("offload-update")
         before = [p.detach().clone() for p in model.parameters()]
         loss_of(model, *batch(5)).backward()  # the next backward runs while the update waits

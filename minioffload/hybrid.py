@@ -1,0 +1,94 @@
+"""The hybrid CPU-GPU update: which subgroups the device updates, the device-side Adam, and the model of the split.
+
+OffloadAdam updates every subgroup on the CPU by default, and the device idles through the update
+phase with its memory mostly empty (Maurya et al., 2024). Two ways to give it part of the work:
+
+    gpu_fraction=f   static, like DeepSpeed's Twin-Flow: the last round(f * n) subgroups keep their fp32
+                     state on the device for good and are updated there; costs 12 B/param of device memory
+    stride=k         dynamic, like Deep Optimizer States: every k-th subgroup's state is copied to the device,
+                     updated there and copied back (12 B/param each way), while the CPU updates the others;
+                     costs two subgroups' worth of device scratch
+
+Either way the gradients of device-updated subgroups stay on the device (they are not offloaded), and
+the device writes the new weights in place.
+
+The model of the split: the CPU updates r_c params/s; the device path moves 12 B/param each way, so
+over a link of b bytes/s per direction it updates about r_g = b / 12 params/s (its Adam is much faster).
+Giving the device a fraction f of N parameters takes max((1 - f) N / r_c, f N / r_g); the best f
+balances the two: f* = r_g / (r_c + r_g), and the update phase gets (r_c + r_g) / r_c times faster.
+
+What this is not: an optimizer (see offload.OffloadAdam, which calls these), nor a GPU Adam of our own
+(the chapter writes one with CuPy: gpu_adam.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+STATE_BYTES_PER_PARAM = 12  # fp32 master, exp_avg, exp_avg_sq: what the dynamic path moves each way
+
+
+def check_split(gpu_fraction: float | None, stride: int | None) -> None:
+    """Refuse a split that is out of range, or both kinds at once, naming what is allowed."""
+    if gpu_fraction is not None and stride is not None:
+        raise ValueError(f"set gpu_fraction (static, in [0, 1]) or stride (dynamic, an int >= 1), not both; got "
+                         f"gpu_fraction={gpu_fraction!r} and stride={stride!r}")
+    if gpu_fraction is not None and (isinstance(gpu_fraction, bool) or not isinstance(gpu_fraction, (int, float))
+                                     or not 0 <= gpu_fraction <= 1):
+        raise ValueError(f"gpu_fraction must be a number in [0, 1] (the share of subgroups whose state stays on "
+                         f"the device), got {gpu_fraction!r}")
+    if stride is not None and (isinstance(stride, bool) or not isinstance(stride, int) or stride < 1):
+        raise ValueError(f"stride must be an int >= 1 (every stride-th subgroup is updated on the device; 1: all), "
+                         f"got {stride!r}")
+
+
+def device_subgroups(count: int, gpu_fraction: float | None = None, stride: int | None = None
+                     ) -> tuple[list[int], list[int]]:
+    """Indices of the subgroups updated on the device: (resident, streamed) out of `count` subgroups.
+
+    gpu_fraction f: the last round(f * count) are resident. stride k: subgroups k-1, 2k-1, ... are streamed
+    (every k-th, counting from 1), so stride 1 streams all of them and stride 3 a third."""
+    check_split(gpu_fraction, stride)
+    if gpu_fraction is not None:
+        resident = round(gpu_fraction * count)
+        return list(range(count - resident, count)), []
+    if stride is not None:
+        return [], list(range(stride - 1, count, stride))
+    return [], []
+
+
+def link_rate(bandwidth: float, bytes_per_param: int = STATE_BYTES_PER_PARAM) -> float:
+    """Params/s the dynamic path can update when moving the state is its bottleneck (bandwidth per direction;
+    the two directions overlap)."""
+    return bandwidth / bytes_per_param
+
+
+def update_time(fraction: float, params: int, cpu_rate: float, device_rate: float) -> float:
+    """Modelled update phase (s) with `fraction` of `params` on the device path: the slower of the two."""
+    return max((1 - fraction) * params / cpu_rate, fraction * params / device_rate)
+
+
+def best_split(cpu_rate: float, device_rate: float) -> dict:
+    """The fraction that balances CPU and device paths, and the speedup over the CPU alone."""
+    if not (cpu_rate > 0 and device_rate > 0 and math.isfinite(cpu_rate) and math.isfinite(device_rate)):
+        raise ValueError(f"rates must be positive and finite, got cpu_rate={cpu_rate}, device_rate={device_rate}")
+    return {"fraction": device_rate / (cpu_rate + device_rate), "speedup": (cpu_rate + device_rate) / cpu_rate}
+
+
+def nearest_stride(fraction: float) -> int:
+    """The stride whose share of subgroups (1/k) is closest to `fraction` (> 0)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    low = max(1, math.floor(1 / fraction))
+    return min((low, low + 1), key=lambda k: abs(1 / k - fraction))
+
+
+def device_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+                step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """AdamW in place on flat fp32 tensors wherever they are, with torch's fused kernel (CUDA or CPU):
+    the device-side update. Same operation order as torch.optim.AdamW(fused=True)."""
+    steps = [torch.tensor(float(step), device=master.device)]
+    torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], steps, lr=lr, beta1=betas[0],
+                        beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)

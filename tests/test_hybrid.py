@@ -1,0 +1,146 @@
+"""The hybrid CPU-GPU update (gpu_fraction, stride): the same training as the CPU-only update, the split model,
+device memory refused before anything moves, bad settings named."""
+
+import pytest
+import torch
+from test_offload import HYPER, Toy, batch, loss_of, on_sim, train
+
+from minioffload import hybrid
+from minioffload.device import device
+from minioffload.memory import OutOfMemoryError
+from minioffload.offload import OffloadAdam
+
+SPLITS = [{"stride": 1}, {"stride": 2}, {"stride": 3}, {"gpu_fraction": 0.0}, {"gpu_fraction": 0.5},
+          {"gpu_fraction": 1.0}]
+
+
+def run(split, steps=4, micro_batches=1, clip=None, dtype=torch.float32, **options):
+    torch.manual_seed(0)
+    model = Toy().to(dtype)
+    with device("sim", jitter=2e-4, seed=1) as dev:
+        opt = OffloadAdam(on_sim(model, dev).parameters(), dev, subgroup_numel=300, max_grad_norm=clip,
+                          **split, **options, **HYPER)
+        losses = train(model, opt, steps, micro_batches, use_side=lambda step: step % 2 == 1)
+        masters = [m.clone() for m in opt.master_weights()]
+        wheres = [sub.where for sub in opt.subgroups]
+    return losses, masters, [p.detach().clone() for p in model.parameters()], wheres
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+@pytest.mark.parametrize("micro_batches, clip", [(1, None), (2, 0.5)])
+def test_every_split_trains_like_the_cpu_only_update(split, micro_batches, clip):
+    cpu_losses, cpu_masters, cpu_weights, _ = run({}, micro_batches=micro_batches, clip=clip)
+    losses, masters, weights, wheres = run(split, micro_batches=micro_batches, clip=clip)
+    on_device = sum(where != "cpu" for where in wheres)
+    expected = {"stride": lambda k: len(range(k - 1, len(wheres), k)),
+                "gpu_fraction": lambda f: round(f * len(wheres))}
+    (kind, value), = split.items()
+    assert on_device == expected[kind](value) and len(wheres) > 3
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(cpu_losses), rtol=1e-5, atol=1e-6)
+    for a, b in zip([*masters, *weights], [*cpu_masters, *cpu_weights], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_bf16_model_updated_on_the_device_keeps_fp32_masters():
+    _, cpu_masters, cpu_weights, _ = run({}, dtype=torch.bfloat16)
+    _, masters, weights, _ = run({"stride": 2}, dtype=torch.bfloat16)
+    for a, b in zip(masters, cpu_masters, strict=True):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(weights, cpu_weights, strict=True):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)  # 1 bf16 ulp apart at most
+
+
+def test_the_device_path_moves_12_bytes_per_param_each_way_while_the_cpu_updates():
+    torch.manual_seed(0)
+    model = Toy(width=64)
+    with device("sim", adam_rate=1e6) as dev:  # 4 ms per device-side subgroup
+        opt = OffloadAdam(on_sim(model, dev).parameters(), dev, subgroup_numel=4096, stride=2)
+        loss_of(model, *batch(0), use_side=True).backward()  # every parameter gets a gradient
+        dev.synchronize()  # the gradient copies of backward land before the trace starts
+        dev.trace.clear()
+        opt.step()
+        dev.synchronize()
+        streamed = sum(sub.numel for sub in opt.subgroups if sub.where == "streamed")
+        names = {"master", "exp_avg", "exp_avg_sq"}
+        state_in = sum(s.nbytes for s in dev.trace.on("h2d") if s.name.removeprefix("h2d ") in names)
+        state_out = sum(s.nbytes for s in dev.trace.on("d2h") if s.name.removeprefix("d2h ") in names)
+        device_adam = dev.trace.on("compute")
+        cpu_adam = dev.trace.on("cpu")
+    assert state_in == state_out == 12 * streamed
+    assert device_adam and cpu_adam
+    # the CPU does its share while the device path runs (~40 ms here), not after it
+    assert max(c.start for c in cpu_adam) < max(a.end for a in device_adam)
+
+
+def test_a_fraction_that_does_not_fit_is_refused_before_anything_moves():
+    torch.manual_seed(0)
+    model = Toy(width=64)
+    with device("sim", memory_bytes=200_000) as dev:
+        on_sim(model, dev)
+        used = dev.ledger.used("device")
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(OutOfMemoryError):
+            OffloadAdam(model.parameters(), dev, subgroup_numel=4096, gpu_fraction=1.0)
+        assert dev.ledger.used("device") == used
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+        loss_of(model, *batch(0)).backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad and p is not model.side.weight
+                   and p is not model.side.bias)  # no hook of the refused optimizer took a gradient
+        OffloadAdam(model.parameters(), dev, subgroup_numel=4096, gpu_fraction=0.2)  # a smaller share fits
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"gpu_fraction": 1.5}, r"gpu_fraction must be a number in \[0, 1\]"),
+    ({"gpu_fraction": -0.1}, r"gpu_fraction must be a number in \[0, 1\]"),
+    ({"stride": 0}, "stride must be an int >= 1"),
+    ({"stride": 1.5}, "stride must be an int >= 1"),
+    ({"gpu_fraction": 0.5, "stride": 2}, "not both"),
+    ({"stride": 2, "delay_updates_after": 0}, "do not combine"),
+])
+def test_bad_splits_are_refused_naming_the_valid_ranges(options, match):
+    with device("sim") as dev:
+        model = on_sim(Toy(), dev)
+        with pytest.raises(ValueError, match=match):
+            OffloadAdam(model.parameters(), dev, **options)
+
+
+def test_the_split_model():
+    best = hybrid.best_split(cpu_rate=3e8, device_rate=1e8)
+    assert best["fraction"] == pytest.approx(0.25) and best["speedup"] == pytest.approx(4 / 3)
+    n = 1_000_000  # the model's optimum is where the two paths take equally long, and no fraction beats it
+    t_best = hybrid.update_time(best["fraction"], n, 3e8, 1e8)
+    assert t_best == pytest.approx(n / 3e8 / best["speedup"])
+    assert all(hybrid.update_time(f / 100, n, 3e8, 1e8) >= t_best * (1 - 1e-12) for f in range(101))
+    assert hybrid.link_rate(12e9) == pytest.approx(1e9)
+    assert hybrid.nearest_stride(0.3) == 3 and hybrid.nearest_stride(1.0) == 1 and hybrid.nearest_stride(0.45) == 2
+    assert hybrid.device_subgroups(10, stride=3) == ([], [2, 5, 8])
+    assert hybrid.device_subgroups(10, gpu_fraction=0.3) == ([7, 8, 9], [])
+    with pytest.raises(ValueError, match="rates must be positive"):
+        hybrid.best_split(0, 1e8)
+
+
+def test_a_checkpoint_of_a_hybrid_run_continues_bit_for_bit():
+    def fresh_run(dev):
+        torch.manual_seed(0)
+        model = on_sim(Toy(), dev)
+        return model, OffloadAdam(model.parameters(), dev, subgroup_numel=300, stride=2, **HYPER)
+
+    with device("sim") as dev:
+        straight, opt = fresh_run(dev)
+        train(straight, opt, 4)
+    with device("sim") as dev:
+        first, opt = fresh_run(dev)
+        train(first, opt, 2)
+        saved = {"model": {k: v.clone() for k, v in first.state_dict().items()}, "opt": opt.state_dict()}
+    with device("sim") as dev:
+        resumed, opt = fresh_run(dev)
+        resumed.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        for step in range(2, 4):
+            loss_of(resumed, *batch(100 * step)).backward()
+            opt.step()
+            opt.zero_grad()
+        dev.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters(), strict=True))

@@ -144,3 +144,41 @@ def test_a_checkpoint_of_a_hybrid_run_continues_bit_for_bit():
             opt.zero_grad()
         dev.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("split", [{"stride": 2}, {"gpu_fraction": 0.5}], ids=str)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_every_split_trains_like_the_cpu_only_update(split):
+    results = []
+    for options in ({}, split):
+        torch.manual_seed(0)
+        model = Toy().cuda()
+        with device("cuda") as dev:
+            opt = OffloadAdam(model.parameters(), dev, subgroup_numel=300, **options, **HYPER)
+            for step in range(3):
+                idx, targets = (t.cuda() for t in batch(step))
+                loss_of(model, idx, targets).backward()
+                opt.step()
+                opt.zero_grad()
+            dev.synchronize()
+            results.append([m.cpu() for m in opt.master_weights()])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_cupy_kernel_matches_torch_fused_adamw():
+    pytest.importorskip("cupy")
+    from minioffload.gpu_adam import adam_cupy
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    p, grad, m, v = (torch.randn(1 << 20, device="cuda", generator=g) for _ in range(4))
+    v.abs_()
+    ours = [t.clone() for t in (p, grad, m, v)]
+    for step in range(1, 4):
+        adam_cupy(ours[0], ours[1], ours[2], ours[3], step=step, lr=1e-3, weight_decay=0.01)
+        hybrid.device_adam(p, grad, m, v, step=step, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    for a, b in zip(ours, (p, grad, m, v), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -83,6 +83,10 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
     tr.add_argument("--delay-updates-after", type=int, default=d.delay_updates_after, metavar="N",
                     help="one-step delayed update (ZeRO-Offload's DPU) after N synchronous steps; "
                          "off when not given")
+    tr.add_argument("--gpu-fraction", type=float, default=d.gpu_fraction, metavar="F",
+                    help="hybrid update: this share of subgroups keeps its state and update on the device")
+    tr.add_argument("--stride", type=int, default=d.stride, metavar="K",
+                    help="hybrid update: every K-th subgroup's state visits the device for its update")
     tr.add_argument("--max-grad-norm", type=parse_grad_norm, default=d.max_grad_norm,
                     help="clip gradients to this global norm; 'none' turns clipping off")
     tr.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from . import hybrid
 from .device import device as make_device
 from .memory import format_bytes
 from .models import GPT, CharTokenizer, GPTConfig, batches, load_text, train_val_split
@@ -58,6 +59,8 @@ class TrainConfig:
     subgroup_numel: int = 1 << 16  # OffloadAdam's subgroup size in elements
     min_offload_numel: int = 0  # parameters smaller than this stay on the device (torch AdamW there)
     delay_updates_after: int | None = None  # None: no delayed update; n: DPU after n synchronous steps
+    gpu_fraction: float | None = None  # hybrid update, static: this share of subgroups keeps its state on the device
+    stride: int | None = None  # hybrid update, dynamic: every stride-th subgroup is updated on the device
     max_grad_norm: float | None = 1.0  # clip by global norm; None turns clipping off
     grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0
@@ -89,9 +92,19 @@ class TrainConfig:
             raise ValueError("TrainConfig.min_offload_numel must be an int >= 0 (0 offloads everything), got None")
         if self.delay_updates_after is not None and self.min_offload_numel:
             raise ValueError("TrainConfig.delay_updates_after needs min_offload_numel=0 (every parameter offloaded)")
-        if (self.delay_updates_after is not None or self.min_offload_numel) and not self.offload:
-            raise ValueError("TrainConfig.delay_updates_after and min_offload_numel are OffloadAdam settings: "
-                             "they need offload=True")
+        if self.gpu_fraction is not None and self.stride is not None:
+            raise ValueError("TrainConfig.gpu_fraction and stride: set one (static or dynamic hybrid update), not both")
+        try:
+            hybrid.check_split(self.gpu_fraction, self.stride)
+        except ValueError as err:
+            raise ValueError(f"TrainConfig.{err}") from None  # the message starts with the field's name
+        if self.delay_updates_after is not None and (self.gpu_fraction or self.stride):
+            raise ValueError("TrainConfig.delay_updates_after does not combine with a hybrid update (gpu_fraction, "
+                             "stride): choose one")
+        settings = (self.delay_updates_after, self.gpu_fraction, self.stride)
+        if (any(v is not None for v in settings) or self.min_offload_numel) and not self.offload:
+            raise ValueError("TrainConfig.delay_updates_after, min_offload_numel, gpu_fraction and stride are "
+                             "OffloadAdam settings: they need offload=True")
         if not isinstance(self.offload, bool):
             raise ValueError(f"TrainConfig.offload must be True or False, got {self.offload!r}")
 
@@ -131,7 +144,8 @@ def step_phases(spans: list[Span], start: float, end: float) -> dict[str, float]
         "exposed_d2h": union_length(busy + d2h) - busy_time,
         "cpu_update": union_length(clipped(lambda s: s.lane == "cpu")),
         "exposed_h2d": union_length(busy + h2d) - busy_time,
-        "device_update": union_length(clipped(lambda s: s.lane == "compute" and s.name == "update")),
+        "device_update": union_length(clipped(lambda s: s.lane == "compute" and (
+            s.name == "update" or s.name.startswith("device adam")))),
     }
 
 
@@ -196,7 +210,8 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, tqdm) -> Tr
     if config.offload:
         opt = OffloadAdam(params, dev, lr=config.lr, subgroup_numel=config.subgroup_numel,
                           max_grad_norm=config.max_grad_norm, min_offload_numel=config.min_offload_numel,
-                          delay_updates_after=config.delay_updates_after)
+                          delay_updates_after=config.delay_updates_after, gpu_fraction=config.gpu_fraction,
+                          stride=config.stride)
     else:
         if config.precision == "bf16":
             warnings.warn("precision='bf16' with offload=False: torch AdamW updates the bf16 weights directly "
@@ -323,7 +338,8 @@ def format_summary(summary: dict) -> str:
     delayed = cfg.get("delay_updates_after")
     lines = [f"{cfg['model']} GPT, {summary['num_params']:,} parameters, {cfg['precision']}, "
              f"{'OffloadAdam (state on the host)' if cfg['offload'] else 'AdamW on the device (baseline)'}"
-             f"{'' if delayed is None else f', updates delayed one step after step {delayed}'}, "
+             f"{'' if delayed is None else f', updates delayed one step after step {delayed}'}"
+             f"{''.join(f', hybrid {k} {cfg[k]}' for k in ('gpu_fraction', 'stride') if cfg.get(k) is not None)}, "
              f"{cfg['device']} device",
              f"mean step time over {summary['steps_timed']} steps (the first step is left out; median "
              f"{summary['step_median_s'] * 1e3:.2f} ms):",

@@ -74,7 +74,7 @@ def test_bf16_runs(tmp_path):
     ("device", "tpu"), ("model", "huge"), ("precision", "fp8"), ("steps", 0), ("batch_size", -1),
     ("block_size", 2.5), ("lr", 0.0), ("max_grad_norm", -1.0), ("grad_accum", 0), ("eval_every", 0),
     ("subgroup_numel", 0), ("offload", "yes"), ("min_offload_numel", -1), ("delay_updates_after", -2),
-    ("delay_updates_after", True),
+    ("delay_updates_after", True), ("gpu_fraction", 1.5), ("stride", 0),
 ])
 def test_bad_config_is_refused_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"TrainConfig.{field} "):
@@ -100,7 +100,7 @@ def test_cli_flags_reach_the_config(tmp_path, capsys):
 
 
 def test_delayed_updates_and_kept_parameters_from_the_command_line(tmp_path, capsys):
-    for flags in (["--delay-updates-after", "2"], ["--min-offload-numel", "1000"]):
+    for flags in (["--delay-updates-after", "2"], ["--min-offload-numel", "1000"], ["--stride", "2"]):
         out = tmp_path / flags[0].strip("-")
         assert main(["train", "--device", "sim", "--steps", "8", "--block-size", "16", "--batch-size", "8",
                      "--no-progress", "--out-dir", str(out), *flags]) == 0

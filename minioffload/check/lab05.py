@@ -1,0 +1,346 @@
+"""Graders for Lab 5, "The hybrid CPU-GPU update": which subgroups the device updates (5.1), the model
+of the split (5.2), the overlapped schedule of streamed subgroups (5.3), and a stride for a real server (5.4).
+
+Task 5.3 runs the learner's schedule on the simulated device with jitter, once with a slow device-side
+Adam and once with a slow D2H link: each missing wait then lets a copy read or overwrite a scratch set
+at the wrong moment in every trial, and the host state comes back wrong. The trace of the failed run
+says which wait was missing. A run without jitter then checks that the pipeline overlaps at all.
+Verdicts carry counts and rates, never timings, so they are the same on every run.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+from collections.abc import Callable
+
+import torch
+
+from .. import hybrid
+from ..device import Link
+from ..trace import Span
+from . import grader, sim_device
+
+# ---------------------------------------------------------------------------------------------
+# Task 5.1: which subgroups go to the device
+
+FRACTIONS = (0.0, 0.1, 0.25, 0.29, 1 / 3, 0.5, 0.7, 0.9, 1.0)  # 0.29 * 100 is 28.999...: int() loses one
+COUNTS = (0, 1, 2, 3, 4, 5, 7, 10, 12, 100)
+BAD_SETTINGS = ({"gpu_fraction": -0.1}, {"gpu_fraction": 1.5}, {"stride": 0}, {"stride": -2},
+                {"gpu_fraction": 0.5, "stride": 2})
+
+
+def _call(fn: Callable, count: int, setting: dict) -> str:
+    return f"device_subgroups({count}{''.join(f', {k}={v!r:.6}' for k, v in setting.items())})"
+
+
+def _subgroups_hint(count: int, setting: dict, resident: list, streamed: list) -> str:
+    if "gpu_fraction" in setting:
+        f = setting["gpu_fraction"]
+        want = round(f * count)
+        if streamed:
+            return "a static fraction streams nothing: return (resident, [])"
+        if resident == list(range(len(resident))) and len(resident) == want:
+            return "those are the first subgroups; the resident ones are the LAST round(f * count)"
+        if len(resident) in (math.floor(f * count + 0.5), int(f * count), math.ceil(f * count)):
+            return (f"that is {len(resident)} subgroups, round({f:.4g} * {count}) is {want}: use Python's round() "
+                    "(halves go to the even number, and int() truncates 28.999... to 28), as OffloadAdam does")
+        return f"expected the last round(f * count) = {want} subgroups"
+    if "stride" in setting:
+        k = setting["stride"]
+        if resident:
+            return "a stride streams its subgroups: return ([], streamed)"
+        if streamed == list(range(0, count, k)):
+            return (f"that counts from subgroup 0; stride {k} streams every {k}-th subgroup counting from 1: "
+                    f"subgroups {k - 1}, {2 * k - 1}, ... (so stride 1 streams all of them)")
+        return f"expected subgroups {k - 1}, {2 * k - 1}, ... below {count}"
+    return "with neither setting, nothing goes to the device: return ([], [])"
+
+
+@grader("5.1")
+def device_subgroups(fn: Callable) -> str:
+    """fn(count, gpu_fraction=None, stride=None) -> (resident, streamed) lists of subgroup indices."""
+    cases = [(count, {}) for count in COUNTS]
+    cases += [(count, {"gpu_fraction": f}) for count in COUNTS for f in FRACTIONS]
+    cases += [(count, {"stride": k}) for count in COUNTS for k in range(1, min(count, 12) + 3)]
+    for count, setting in cases:
+        call = _call(fn, count, setting)
+        try:
+            got = fn(count, **setting)
+        except ValueError as err:
+            raise AssertionError(f"{call} raised ValueError ({err}), but that is a valid setting") from None
+        assert isinstance(got, (tuple, list)) and len(got) == 2, f"{call} returned {got!r:.80}; expected a pair " \
+                                                                 "(resident, streamed) of lists"
+        resident, streamed = list(got[0]), list(got[1])
+        want = hybrid.device_subgroups(count, **setting)
+        if (resident, streamed) != (want[0], want[1]):
+            raise AssertionError(f"{call} returned ({resident!s:.60}, {streamed!s:.60}), expected "
+                                 f"({want[0]!s:.60}, {want[1]!s:.60}): "
+                                 f"{_subgroups_hint(count, setting, resident, streamed)}")
+    for setting in BAD_SETTINGS:
+        call = _call(fn, 8, setting)
+        try:
+            got = fn(8, **setting)
+        except ValueError:
+            continue
+        why = ("set one of them, not both" if len(setting) == 2 else "a fraction is a share in [0, 1]"
+               if "gpu_fraction" in setting else "a stride is an int >= 1")
+        raise AssertionError(f"{call} returned {got!r:.60}; expected a ValueError ({why}): a bad setting should "
+                             "stop the run before any state moves")
+    return (f"{len(cases)} cases match (0-100 subgroups, fractions 0-1, strides 1-14, neither); "
+            f"{len(BAD_SETTINGS)} bad settings refused with ValueError")
+
+
+# ---------------------------------------------------------------------------------------------
+# Task 5.2: the model of the split
+
+SPLIT_CASES = 40
+SPLIT_RTOL = 1e-9
+GRID = 1000  # the fraction's update time is compared with every k / GRID
+
+
+def _split_cases() -> list[tuple[float, float]]:
+    rng = random.Random(52)
+    cases = [(1e9, 25e9), (4e9, 64e9), (1e9, 1.2e9)]  # a slow link: the CPU keeps most of the work
+    cases += [(10 ** rng.uniform(8, 10.5), 10 ** rng.uniform(9, 11.5)) for _ in range(SPLIT_CASES)]
+    return cases
+
+
+def _close(a, b) -> bool:
+    return isinstance(a, (int, float)) and not isinstance(a, bool) and math.isclose(a, b, rel_tol=SPLIT_RTOL)
+
+
+@grader("5.2")
+def split_model(fn: Callable) -> str:
+    """fn(cpu_rate, bandwidth) -> {"device_rate", "fraction", "speedup"}: device_rate_from_link, then best_split."""
+    cases = _split_cases()
+    for cpu_rate, bandwidth in cases:
+        call = f"cpu_rate={cpu_rate:.4g} params/s, bandwidth={bandwidth:.4g} B/s"
+        got = fn(cpu_rate, bandwidth)
+        assert isinstance(got, dict), f"{call}: got {got!r:.60}; expected a dict"
+        missing = {"device_rate", "fraction", "speedup"} - got.keys()
+        assert not missing, f"{call}: the result has no {sorted(missing)}: best_split returns fraction and speedup"
+        device_rate = hybrid.link_rate(bandwidth)
+        if not _close(got["device_rate"], device_rate):
+            per = bandwidth / got["device_rate"] if _close(got["device_rate"], got["device_rate"]) else None
+            hint = ("that counts 24 B/param: the state goes in and comes back on two directions of the link, which "
+                    "run at the same time, so each direction carries 12 B/param" if per and math.isclose(per, 24)
+                    else "each streamed parameter moves 12 bytes (fp32 master, exp_avg, exp_avg_sq) each way")
+            raise AssertionError(f"{call}: device_rate_from_link gave {got['device_rate']!r:.8} params/s, expected "
+                                 f"bandwidth / 12 = {device_rate:.4g}: {hint}")
+        want = hybrid.best_split(cpu_rate, device_rate)
+        fraction = got["fraction"]
+        if not _close(fraction, want["fraction"]):
+            hint = ("that gives the larger share to the slower path: the device's share is r_g / (r_c + r_g)"
+                    if _close(fraction, cpu_rate / (cpu_rate + device_rate)) else
+                    "balance the two paths: (1 - f) / r_c = f / r_g")
+            raise AssertionError(f"{call}: fraction {fraction!r:.8}, expected {want['fraction']:.6g}: {hint}")
+        best_on_grid = min(hybrid.update_time(k / GRID, 1, cpu_rate, device_rate) for k in range(GRID + 1))
+        assert hybrid.update_time(fraction, 1, cpu_rate, device_rate) <= best_on_grid * (1 + SPLIT_RTOL), (
+            f"{call}: fraction {fraction:.6g} is slower than a fraction on the grid")
+        if not _close(got["speedup"], want["speedup"]):
+            cpu_only = hybrid.update_time(0.0, 1, cpu_rate, device_rate)
+            ratio = cpu_only / hybrid.update_time(fraction, 1, cpu_rate, device_rate)
+            hint = ("that is r_g / r_c, how much faster the device path is; the speedup is the CPU-only time "
+                    "over the split time" if _close(got["speedup"], device_rate / cpu_rate) else
+                    f"CPU-only time / split time = max(1 / r_c, 0) / max((1 - f) / r_c, f / r_g) = {ratio:.6g}")
+            raise AssertionError(f"{call}: speedup {got['speedup']!r:.8}, expected {want['speedup']:.6g}: {hint}")
+    example = fn(1e9, 25e9)
+    return (f"{len(cases)} (CPU rate, link) pairs match: device rate = bandwidth / 12, the fraction balances the "
+            f"two paths (no point of a {GRID + 1}-point grid is faster); CPU Adam at 1e9 params/s beside a 25 GB/s "
+            f"link: the device takes {example['fraction']:.0%}, {example['speedup']:.1f}x faster")
+
+
+# ---------------------------------------------------------------------------------------------
+# Task 5.3: the overlapped schedule of streamed subgroups
+
+STATE = ("master", "exp_avg", "exp_avg_sq")
+SIZES = (6000, 8192, 5000, 8192, 7000, 4096)  # flat fp32 subgroups; the scratch sets hold the largest
+LINK = Link(bandwidth=32e6, latency=1e-4)  # 1.1 ms per copy of 8192 floats: the three copies in take ~3.4 ms
+HALF_LINK = Link(bandwidth=16e6, latency=1e-4)
+JITTER = 1e-3  # s: each stream op starts up to this late
+SEEDS = (0, 1, 2)
+# (name, sim options): one stage slow per scenario. A slow Adam lets state_in run ahead into a set still in
+# use; a slow D2H link does the same to a set still being copied out. A missing wait for the copies in, or
+# for the update, shows in both.
+SCENARIOS = (
+    ("slow device Adam", {"h2d": LINK, "d2h": LINK, "adam_rate": LINK.bandwidth / 24}),  # Adam: 2x the copies in
+    ("slow D2H link", {"h2d": LINK, "d2h": HALF_LINK, "adam_rate": LINK.bandwidth / 4}),
+)
+ADAM = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+
+RULES = {  # what the trace shows when a wait is missing, and the wait
+    "adam after arrival": ("the device Adam of subgroup {k} started before its state had arrived in scratch",
+                           "streams['adam'].wait(arrived), an event recorded on state_in after the copies in"),
+    "out after update": ("the copies out of subgroup {k} started before its update had finished",
+                         "streams['state_out'].wait(updated), an event recorded on the adam stream after launch"),
+    "in after out": ("subgroup {k2}'s state went into scratch set {s} before subgroup {k}'s state had left it",
+                     "streams['state_in'].wait(free[s]) before reusing set s, an event recorded on state_out after "
+                     "the copies out (waiting for the update alone is not enough: the copies out still read it)"),
+}
+
+
+def _problem(host_state: list[dict]) -> tuple[list[dict], list[torch.Tensor]]:
+    """Pinned host state per subgroup (distinct values everywhere) and one gradient per subgroup."""
+    g = torch.Generator().manual_seed(53)
+    subgroups, grads = [], []
+    for n in SIZES:
+        values = {"master": torch.randn(n, generator=g), "exp_avg": 0.1 * torch.randn(n, generator=g),
+                  "exp_avg_sq": torch.rand(n, generator=g) * 1e-2}
+        sub = {}
+        for name in STATE:
+            sub[name] = host_state[0](n).copy_(values[name])
+        subgroups.append(sub)
+        grads.append(torch.randn(n, generator=g))
+    return subgroups, grads
+
+
+def _serial(subgroups: list[dict], grads: list[torch.Tensor]) -> list[dict]:
+    expected = [{name: sub[name].clone() for name in STATE} for sub in subgroups]
+    for k, state in enumerate(expected):
+        hybrid.device_adam(state["master"], grads[k], state["exp_avg"], state["exp_avg_sq"], step=3, **ADAM)
+    return expected
+
+
+def _by_subgroup(spans: list[Span], per: int, nbytes: bool) -> list[list[Span]] | None:
+    """Spans in start order, cut into `per` per subgroup; None unless each group has the right size."""
+    spans = sorted(spans, key=lambda s: s.start)
+    if len(spans) != per * len(SIZES):
+        return None
+    groups = [spans[per * k: per * (k + 1)] for k in range(len(SIZES))]
+    if nbytes and any(s.nbytes != 4 * n for group, n in zip(groups, SIZES, strict=True) for s in group):
+        return None
+    return groups
+
+
+def _broken_rule(trace) -> str | None:
+    """The first wait the trace shows missing, as a sentence with its fix; None if none shows."""
+    h2d, d2h = _by_subgroup(trace.on("h2d"), 3, True), _by_subgroup(trace.on("d2h"), 3, True)
+    compute = _by_subgroup(trace.on("compute"), 1, False)
+    if not (h2d and d2h and compute):
+        return None
+    for k in range(len(SIZES)):
+        checks = [("adam after arrival", compute[k][0].start < max(s.end for s in h2d[k])),
+                  ("out after update", min(s.start for s in d2h[k]) < compute[k][0].end)]
+        if k + 2 < len(SIZES):
+            checks.append(("in after out", min(s.start for s in h2d[k + 2]) < max(s.end for s in d2h[k])))
+        for rule, broken in checks:
+            if broken:
+                shows, fix = RULES[rule]
+                return f"the trace shows {shows.format(k=k, k2=k + 2, s=k % 2)}: add {fix}"
+    return None
+
+
+def _streamed_run(fn: Callable, what: str, **options):
+    """Run fn on a fresh sim device; check the host state against serial updates; return the trace."""
+    with sim_device(**options) as dev:
+        subgroups, grads = _problem([dev.host_empty])
+        expected = _serial(subgroups, grads)
+        for grad in grads:
+            dev.adopt(grad, "grad")  # the gradients of streamed subgroups stay on the device
+        scratch = [{name: dev.empty(max(SIZES), name=f"scratch {s} {name}") for name in STATE} for s in range(2)]
+        streams = {name: dev.stream(name) for name in ("state_in", "adam", "state_out")}
+        problems: list[str] = []
+
+        def update(k: int, state: dict) -> None:
+            """The device-side Adam of subgroup k, run by the learner through dev.launch."""
+            thread = threading.current_thread().name
+            if thread != "sim-stream-adam":
+                problems.append(f"update({k}, ...) ran on " + ("the host thread, not through dev.launch" if
+                                thread == threading.main_thread().name else f"stream {thread[11:]!r}, not "
+                                "streams['adam']"))
+            if not all(dev.is_device(state[name]) for name in STATE):
+                problems.append(f"update({k}, ...) was given host tensors: pass it the scratch views")
+            hybrid.device_adam(state["master"], grads[k], state["exp_avg"], state["exp_avg_sq"], step=3, **ADAM)
+
+        try:
+            fn(dev, subgroups, scratch, streams, update)
+            dev.synchronize()
+        except ValueError as err:
+            if "same shape" in str(err):
+                raise AssertionError(f"{what}: {err}. Subgroups have different sizes and the scratch sets hold the "
+                                     "largest: copy into scratch[s][name][:numel]") from None
+            raise
+        assert not problems, f"{what}: {problems[0]}"
+        for k, (sub, want) in enumerate(zip(subgroups, expected, strict=True)):
+            wrong = [name for name in STATE if not torch.allclose(sub[name], want[name], rtol=1e-6, atol=1e-7)]
+            if wrong:
+                rule = _broken_rule(dev.trace)
+                hint = rule or "check each wait: Adam after the copies in, copies out after Adam, reuse after out"
+                raise AssertionError(f"{what}: subgroup {k}'s {wrong[0]} on the host differs from a serial update; "
+                                     f"{hint}")
+        return dev.trace, dev.adam_rate
+
+
+def _overlaps(a: Span, b: Span) -> bool:
+    return a.start < b.end and b.start < a.end
+
+
+@grader("5.3")
+def update_streamed(fn: Callable) -> str:
+    """fn(dev, subgroups, scratch, streams, update): each subgroup in, updated, out, through two scratch sets."""
+    trials = 0
+    for seed in SEEDS:
+        for name, options in SCENARIOS:
+            trials += 1
+            _streamed_run(fn, f"trial {trials} ({name}, jitter, seed {seed})", jitter=JITTER, seed=seed, **options)
+    name, options = SCENARIOS[0]
+    trace, adam_rate = _streamed_run(fn, f"the run without jitter ({name})", **options)
+    counts = {"h2d": (3, "dev.copy into the scratch, 3"), "compute": (1, "dev.launch, 1"),
+              "d2h": (3, "dev.copy back to the host, 3")}
+    for lane, (per, how) in counts.items():
+        spans = trace.on(lane)
+        assert len(spans) == per * len(SIZES), (
+            f"the trace has {len(spans)} {lane!r} spans for {len(SIZES)} subgroups; expected {how} per subgroup")
+    compute = sorted(trace.on("compute"), key=lambda s: s.start)
+    short = [k for k, span in enumerate(compute) if span.duration < 0.99 * SIZES[k] / adam_rate]
+    assert not short, (f"subgroup {short[0]}'s device Adam took less than numel / dev.adam_rate in the trace: pass "
+                       "duration=numel / dev.adam_rate to dev.launch, the sim's model of the kernel")
+    h2d = _by_subgroup(trace.on("h2d"), 3, True)
+    assert h2d, "the copies in are not 3 per subgroup in subgroup order, each of the subgroup's size"
+    lonely = [j for j in range(len(SIZES) - 1) if not any(_overlaps(s, compute[j]) for s in h2d[j + 1])]
+    if len(lonely) == len(SIZES) - 1:
+        raise AssertionError(
+            "the host state is right, but no subgroup's copies in overlapped the previous subgroup's update: the "
+            "subgroups ran one after another. A synchronize in the loop, one stream for everything, or one scratch "
+            "set for all does that; use both sets, three streams, and only the three waits")
+    assert not lonely, (f"the host state is right, but subgroup {lonely[0] + 1}'s copies in did not overlap subgroup "
+                        f"{lonely[0]}'s update: is something waiting for more than the set's own previous user?")
+    return (f"{trials} jittered runs (slow device Adam, slow D2H link) x {len(SIZES)} subgroups through 2 scratch "
+            "sets: host state equal to serial updates; without jitter, each subgroup's copies in overlapped the "
+            "previous subgroup's update")
+
+
+# ---------------------------------------------------------------------------------------------
+# Task 5.4: a stride for a PCIe Gen5 server
+
+GEN5 = 64e9  # B/s per direction (PCIe 5.0 x16)
+CPU_RATES = (5e8, 1e9, 2e9, 4e9, 1e10, 3e10, 1e11)
+BANDWIDTHS = (16e9, 32e9, GEN5)
+
+
+def _stride(cpu_rate: float, bandwidth: float) -> int:
+    return hybrid.nearest_stride(hybrid.best_split(cpu_rate, hybrid.link_rate(bandwidth))["fraction"])
+
+
+@grader("5.4")
+def best_stride(fn: Callable) -> str:
+    """fn(cpu_rate, bandwidth=64e9) -> the stride whose share of subgroups is closest to the best fraction."""
+    cases = [(rate, None) for rate in CPU_RATES] + [(rate, b) for rate in CPU_RATES for b in BANDWIDTHS]
+    for cpu_rate, bandwidth in cases:
+        got = fn(cpu_rate) if bandwidth is None else fn(cpu_rate, bandwidth)
+        call = f"best_stride({cpu_rate:.3g}" + (")" if bandwidth is None else f", {bandwidth:.3g})")
+        want = _stride(cpu_rate, GEN5 if bandwidth is None else bandwidth)
+        if isinstance(got, int) and not isinstance(got, bool) and got == want:
+            continue
+        f = hybrid.best_split(cpu_rate, hybrid.link_rate(GEN5 if bandwidth is None else bandwidth))["fraction"]
+        hint = (f"the best fraction is {f:.3f}; stride k streams 1/k of the subgroups, and 1/{want} is the closest "
+                f"share (round(1 / f) or int(1 / f) can miss it: hybrid.nearest_stride picks it)"
+                if isinstance(got, int) else "return the stride as an int")
+        if bandwidth is None and got == _stride(cpu_rate, 25e9):
+            hint = "the default bandwidth is PCIe Gen5's 64e9 B/s per direction"
+        raise AssertionError(f"{call} returned {got!r:.30}, expected {want}: {hint}")
+    strides = ", ".join(f"{rate:.0e} -> {fn(rate)}" for rate in (1e9, 4e9, 1e10))
+    return (f"{len(cases)} cases match; on PCIe Gen5 (64 GB/s each way), CPU Adam params/s -> stride: "
+            f"{strides.replace('e+0', 'e')}")

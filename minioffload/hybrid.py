@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import math
 
+import numba
 import torch
+
+from .adam import adam_fused
 
 STATE_BYTES_PER_PARAM = 12  # fp32 master, exp_avg, exp_avg_sq: what the dynamic path moves each way
 
@@ -87,8 +90,15 @@ def nearest_stride(fraction: float) -> int:
 
 def device_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                 step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """AdamW in place on flat fp32 tensors wherever they are, with torch's fused kernel (CUDA or CPU):
-    the device-side update. Same operation order as torch.optim.AdamW(fused=True)."""
-    steps = [torch.tensor(float(step), device=master.device)]
-    torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], steps, lr=lr, beta1=betas[0],
-                        beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    """AdamW in place on flat fp32 tensors: the device-side update. On CUDA, torch's fused kernel (the same
+    operation order as torch.optim.AdamW(fused=True)); on the sim's host memory, chapter 3's fused kernel on
+    one thread of the calling stream's own (numba's thread count is per thread), so the simulated device
+    uses one core and leaves the others to the CPU Adam instead of competing for them."""
+    if master.is_cuda:
+        steps = [torch.tensor(float(step), device=master.device)]
+        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], steps, lr=lr, beta1=betas[0],
+                            beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        return
+    numba.set_num_threads(1)
+    adam_fused(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
+               weight_decay=weight_decay)

@@ -85,6 +85,9 @@ class OffloadAdam(torch.optim.Optimizer):
 
     `dev` is a minioffload device (sim or cuda) holding the model's parameters. `max_grad_norm` clips by
     the global norm (like `torch.nn.utils.clip_grad_norm_`) before the update; None turns clipping off.
+    `loss_scale`: None, a fixed number, or "dynamic" (fp16). `min_offload_numel`: smaller parameters stay on
+    the device. `delay_updates_after`: the one-step delayed update after that many steps. `gpu_fraction` or
+    `stride`: the hybrid update of chapter 5 (see hybrid.py).
     """
 
     def __init__(self, params, dev, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),

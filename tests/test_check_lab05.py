@@ -1,0 +1,171 @@
+"""Lab 5 verdicts: right answers pass, plausible mistakes fail with a reason, stubs say TODO."""
+
+import math
+
+import pytest
+
+from minioffload import check, hybrid
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError("Task")
+
+
+# Task 5.1 --------------------------------------------------------------------------------------
+
+def subgroups_with(*, front=False, from_zero=False, truncate=False, validate=True):
+    """A correct device_subgroups, with switches that turn it into one plausible mistake at a time."""
+    def fn(count, gpu_fraction=None, stride=None):
+        if validate:
+            hybrid.check_split(gpu_fraction, stride)
+        if gpu_fraction is not None:
+            n = int(gpu_fraction * count) if truncate else round(gpu_fraction * count)
+            return (list(range(n)) if front else list(range(count - n, count))), []
+        if stride is not None:
+            return [], list(range(0 if from_zero else stride - 1, count, stride))
+        return [], []
+    return fn
+
+
+# Task 5.2 --------------------------------------------------------------------------------------
+
+def split_with(*, bytes_per_param=12, fraction=None, speedup=None):
+    """device_rate_from_link, then best_split, as the lab's split_over_link calls them; mistakes by switch."""
+    def fn(cpu_rate, bandwidth):
+        r_g = bandwidth / bytes_per_param
+        f = fraction(cpu_rate, r_g) if fraction else r_g / (cpu_rate + r_g)
+        s = speedup(cpu_rate, r_g) if speedup else (cpu_rate + r_g) / cpu_rate
+        return {"device_rate": r_g, "fraction": f, "speedup": s}
+    return fn
+
+
+# Task 5.3 --------------------------------------------------------------------------------------
+
+STATE = ("master", "exp_avg", "exp_avg_sq")
+
+
+def update_streamed(dev, subgroups, scratch, streams, update, *, wait_free=True, wait_arrived=True,
+                    wait_updated=True, free_after="out", serial=False, sets=2, stream_for_all=None,
+                    duration=True):
+    """The reference answer, with switches that turn it into one plausible mistake at a time."""
+    state_in, adam, state_out = (streams[stream_for_all] if stream_for_all else streams[name]
+                                 for name in ("state_in", "adam", "state_out"))
+    free = [None] * sets
+    for k, host in enumerate(subgroups):
+        s, numel = k % sets, host["master"].numel()
+        buffers = {name: scratch[s][name][:numel] for name in STATE}
+        if wait_free and free[s] is not None:
+            state_in.wait(free[s])
+        for name in STATE:
+            dev.copy(buffers[name], host[name], state_in)
+        arrived = dev.event()
+        arrived.record(state_in)
+        if wait_arrived:
+            adam.wait(arrived)
+        dev.launch(adam, update, k, buffers, duration=numel / dev.adam_rate if duration else None)
+        updated = dev.event()
+        updated.record(adam)
+        if wait_updated:
+            state_out.wait(updated)
+        for name in STATE:
+            dev.copy(host[name], buffers[name], state_out)
+        free[s] = dev.event()
+        free[s].record(state_out if free_after == "out" else adam)
+        if serial:
+            dev.synchronize()  # the host waits for every subgroup: correct, and nothing overlaps
+
+
+def streamed_with(**mistake):
+    def fn(dev, subgroups, scratch, streams, update):
+        update_streamed(dev, subgroups, scratch, streams, update, **mistake)
+    return fn
+
+
+def update_on_the_host(dev, subgroups, scratch, streams, update):
+    for k, host in enumerate(subgroups):
+        update(k, host)
+
+
+def unsliced_scratch(dev, subgroups, scratch, streams, update):
+    for name in STATE:
+        dev.copy(scratch[0][name], subgroups[0][name], streams["state_in"])
+
+
+# Task 5.4 --------------------------------------------------------------------------------------
+
+def best_stride(cpu_rate, bandwidth=64e9):
+    return hybrid.nearest_stride(hybrid.best_split(cpu_rate, hybrid.link_rate(bandwidth))["fraction"])
+
+
+REFERENCE = {
+    "5.1": hybrid.device_subgroups,
+    "5.2": split_with(),
+    "5.3": update_streamed,
+    "5.4": best_stride,
+}
+MISSING_WAITS = [  # (mistake, what the verdict must mention): each comes back wrong in a jittered run
+    ({"wait_free": False}, "went into scratch set"),
+    ({"free_after": "adam"}, "went into scratch set"),
+    ({"wait_arrived": False}, "before its state had arrived"),
+    ({"wait_updated": False}, "before its update had finished"),
+]
+WRONG = [  # (task, plausible mistake, what the verdict must mention)
+    ("5.1", subgroups_with(front=True), "the LAST round(f * count)"),
+    ("5.1", subgroups_with(from_zero=True), "counts from subgroup 0"),
+    ("5.1", subgroups_with(truncate=True), "int() truncates"),
+    ("5.1", subgroups_with(validate=False), "expected a ValueError"),
+    ("5.1", lambda count, gpu_fraction=None, stride=None: (list(range(count)), []), "nothing goes to the device"),
+    ("5.2", split_with(bytes_per_param=24), "counts 24 B/param"),
+    ("5.2", split_with(bytes_per_param=4), "12 bytes"),
+    ("5.2", split_with(fraction=lambda r_c, r_g: r_c / (r_c + r_g)), "larger share to the slower path"),
+    ("5.2", split_with(fraction=lambda r_c, r_g: 0.5), "balance the two paths"),
+    ("5.2", split_with(speedup=lambda r_c, r_g: r_g / r_c), "that is r_g / r_c"),
+    ("5.2", split_with(speedup=lambda r_c, r_g: (r_c + r_g) / r_g), "CPU-only time"),
+    ("5.3", streamed_with(serial=True), "no subgroup's copies in overlapped"),
+    ("5.3", streamed_with(sets=1), "no subgroup's copies in overlapped"),
+    ("5.3", streamed_with(stream_for_all="state_in"), "ran on stream 'state_in'"),
+    ("5.3", streamed_with(duration=False), "duration=numel / dev.adam_rate"),
+    ("5.3", update_on_the_host, "the host thread"),
+    ("5.3", unsliced_scratch, "[:numel]"),
+    ("5.4", lambda cpu_rate, bandwidth=64e9: round(1 / best_split_fraction(cpu_rate, bandwidth)), "closest share"),
+    ("5.4", lambda cpu_rate, bandwidth=64e9: math.floor(1 / best_split_fraction(cpu_rate, bandwidth)),
+     "closest share"),
+    ("5.4", lambda cpu_rate, bandwidth=25e9: best_stride(cpu_rate, bandwidth), "PCIe Gen5"),
+    ("5.4", lambda cpu_rate, bandwidth=64e9: float(best_stride(cpu_rate, bandwidth)), "as an int"),
+]
+
+
+def best_split_fraction(cpu_rate, bandwidth):
+    return hybrid.best_split(cpu_rate, hybrid.link_rate(bandwidth))["fraction"]
+
+
+@pytest.mark.parametrize("task_id", sorted(REFERENCE))
+def test_reference_passes(task_id):
+    verdict = check.grade(task_id, REFERENCE[task_id])
+    assert verdict.passed, str(verdict)
+    assert str(verdict).startswith(f"PASS Task {task_id}: ")
+
+
+@pytest.mark.parametrize("task_id, wrong, reason", WRONG, ids=[f"{t}-{n}" for n, (t, _, _) in enumerate(WRONG)])
+def test_plausible_mistake_fails_with_a_reason(task_id, wrong, reason):
+    verdict = check.grade(task_id, wrong)
+    assert verdict.status == "FAIL" and reason in verdict.detail, str(verdict)
+
+
+@pytest.mark.parametrize("mistake, reason", MISSING_WAITS, ids=["no-free-wait", "free-after-adam", "no-arrived-wait",
+                                                                 "no-updated-wait"])
+def test_a_missing_wait_fails_and_the_trace_names_it(mistake, reason):
+    """Not by luck: a scenario makes each missing wait corrupt the state whatever the jitter (checked in loops)."""
+    verdict = check.grade("5.3", streamed_with(**mistake))
+    assert verdict.status == "FAIL" and verdict.detail.startswith("trial ") and reason in verdict.detail, str(verdict)
+
+
+@pytest.mark.parametrize("task_id", sorted(REFERENCE))
+def test_stub_is_todo(task_id):
+    assert check.grade(task_id, stub).status == "TODO"
+
+
+def test_verdicts_hold_no_timings():
+    """nbval compares the check lines in strict mode: the same answer must print the same line."""
+    for task_id in ("5.2", "5.3"):
+        assert str(check.grade(task_id, REFERENCE[task_id])) == str(check.grade(task_id, REFERENCE[task_id]))

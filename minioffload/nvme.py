@@ -350,3 +350,37 @@ class Swapper:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def tune(directory: str | Path, block_sizes=(1 << 18, 1 << 20, 1 << 22), workers=(1, 2, 4, 8),
+         file_bytes: int = 256 << 20, progress: bool = False) -> dict:
+    """Sweep block size x worker count on `directory` (like DeepSpeed's ds_nvme_tune): write then read one
+    file of `file_bytes` per setting, durable writes and unverified reads, so the disk is what is measured.
+    Returns {"rows": [{block_size, workers, write_GBps, read_GBps}], "best_write": row, "best_read": row}."""
+    scratch = Path(directory) / ".minioffload-tune"
+    scratch.mkdir(exist_ok=True)
+    data = aligned_empty(file_bytes, pin=False)
+    data.copy_(torch.randint(0, 256, (file_bytes,), dtype=torch.uint8))  # not zeros: some disks compress
+    back = aligned_empty(file_bytes, pin=False)
+    settings = [(b, w) for b in block_sizes for w in workers]
+    if progress:
+        from tqdm.auto import tqdm
+
+        settings = tqdm(settings, desc="tune", unit="setting")
+    rows = []
+    try:
+        for block_size, count in settings:
+            with Swapper(scratch, block_size=block_size, workers=count, verify=False) as swap:
+                start = time.perf_counter()
+                swap.write("tune", data).result()
+                written = time.perf_counter()
+                swap.read("tune", into=back).result()
+                read = time.perf_counter()
+            rows.append({"block_size": block_size, "workers": count, "write_GBps": file_bytes / (written - start) / 1e9,
+                         "read_GBps": file_bytes / (read - written) / 1e9})
+    finally:
+        for path in scratch.iterdir():
+            path.unlink()
+        scratch.rmdir()
+    return {"rows": rows, "best_write": max(rows, key=lambda r: r["write_GBps"]),
+            "best_read": max(rows, key=lambda r: r["read_GBps"])}

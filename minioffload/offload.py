@@ -50,8 +50,7 @@ import torch
 
 from . import hybrid
 from .adam import adam_fused
-
-STATE = ("master", "exp_avg", "exp_avg_sq")
+from .nvme_tier import STATE, NvmeTier
 
 
 @dataclass
@@ -94,7 +93,7 @@ class OffloadAdam(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.01, subgroup_numel: int = 1 << 22,
                  max_grad_norm: float | None = None, loss_scale: str | float | None = None,
                  growth_interval: int = 2000, min_offload_numel: int = 0, delay_updates_after: int | None = None,
-                 gpu_fraction: float | None = None, stride: int | None = None):
+                 gpu_fraction: float | None = None, stride: int | None = None, swapper=None, nvme_buffers: int = 3):
         if subgroup_numel < 1:
             raise ValueError(f"subgroup_numel must be at least 1, got {subgroup_numel}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -114,6 +113,9 @@ class OffloadAdam(torch.optim.Optimizer):
         if delay_updates_after is not None and (gpu_fraction or stride):
             raise ValueError("delay_updates_after and a hybrid update (gpu_fraction, stride) do not combine: the "
                              "device-side update would race with the next forward; choose one")
+        if swapper is not None and (delay_updates_after is not None or gpu_fraction or stride):
+            raise ValueError("the NVMe tier (swapper=) does not combine with delayed or hybrid updates yet; "
+                             "choose one")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not trainable:
@@ -125,6 +127,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self.dev, self.subgroup_numel, self.max_grad_norm = dev, subgroup_numel, max_grad_norm
         self.d2h, self.h2d = dev.stream("offload d2h"), dev.stream("offload h2d")
         self.gpu_fraction, self.stride = gpu_fraction, stride
+        self.swapper, self.nvme_buffers, self.nvme = swapper, nvme_buffers, None
         self._device_done: list = []  # events: the device path's weights written, its state home again
         self.last_grad_norm: float | None = None  # before clipping, unscaled; None when clipping is off
         self.dynamic = loss_scale == "dynamic"
@@ -186,17 +189,30 @@ class OffloadAdam(torch.optim.Optimizer):
                     slot.view(sub.buffers["master"]).copy_(slot.param.detach().reshape(-1).float().cpu())
                 continue
             dtypes = {s.param.dtype for s in sub.slots}
-            host = {name: self.dev.host_empty(sub.numel) for name in ("master", "exp_avg", "exp_avg_sq", "grad")}
-            host["exp_avg"].zero_()
-            host["exp_avg_sq"].zero_()
+            on_host = ("grad",) if self.swapper is not None else (*STATE, "grad")  # NVMe: the state goes to disk
+            host = {name: self.dev.host_empty(sub.numel) for name in on_host}
+            for name in on_host[1:]:
+                host[name].zero_()  # the moments start at zero; the gradient accumulates from zero
             host["grad"].zero_()
             for dtype in dtypes:  # staging: gradients arrive here, and 16-bit weights leave from here
                 host[f"staging {dtype}"] = self.dev.host_empty(sub.numel, dtype)
                 if self.delay_updates_after is not None:  # ... except with delayed updates: weights wait here
                     host[f"upload {dtype}"] = self.dev.host_empty(sub.numel, dtype)
-            for slot in sub.slots:
-                slot.view(host["master"]).copy_(slot.param.detach().reshape(-1).float().cpu())
             sub.buffers = host
+            if self.swapper is None:
+                for slot in sub.slots:
+                    slot.view(host["master"]).copy_(slot.param.detach().reshape(-1).float().cpu())
+        if self.swapper is not None and self._on_cpu():
+            self.nvme = NvmeTier(self.swapper, self.dev, self.h2d, self._on_cpu(), self.nvme_buffers)
+            for sub in self._on_cpu():
+                self.nvme.store(sub, lambda views, sub=sub: self._initial_state(sub, views))
+
+    @staticmethod
+    def _initial_state(sub: _Subgroup, views: dict) -> None:
+        for slot in sub.slots:
+            slot.view(views["master"]).copy_(slot.param.detach().reshape(-1).float().cpu())
+        views["exp_avg"].zero_()
+        views["exp_avg_sq"].zero_()
 
     def _allocate_device_state(self) -> None:
         """Device memory of the hybrid update, in one allocation (it fits whole or raises, nothing held): a
@@ -294,9 +310,10 @@ class OffloadAdam(torch.optim.Optimizer):
         fresh_ids = {id(slot) for slot in fresh}
         if not send and self._uploaded is not None:
             self._uploaded.synchronize()  # the previous weights must have left the upload buffers
-        for sub in self.subgroups:
-            if sub.where != "cpu":
-                continue
+        subgroups = self._on_cpu()
+        if self.nvme is not None:  # each subgroup's state is read from disk just before and written after
+            subgroups = self.nvme.visit([sub for sub in subgroups if any(id(s) in fresh_ids for s in sub.slots)])
+        for sub in subgroups:
             slots = [s for s in sub.slots if id(s) in fresh_ids]
             self._update(sub, coef, slots, hyper)
             if send:
@@ -491,7 +508,21 @@ class OffloadAdam(torch.optim.Optimizer):
         """The fp32 master copy of each trainable parameter, in the order the optimizer holds them."""
         self._wait_for_update()
         self._wait_for_device()
-        return [self._master(slot) for slot in self._slots.values()]
+        on_disk = self._read_state("master")  # NVMe tier: copies read from the disk
+        return [slot.view(on_disk[id(slot.subgroup)]["master"]).view(slot.param.shape) if id(slot.subgroup) in on_disk
+                else self._master(slot) for slot in self._slots.values()]
+
+    def _read_state(self, *names: str) -> dict:
+        """NVMe tier: {id(subgroup): {name: a fresh host tensor read from the disk}} ({} without the tier)."""
+        if self.nvme is None:
+            return {}
+        self.nvme.drain()
+        out = {}
+        for sub in self._on_cpu():
+            out[id(sub)] = {name: self.dev.host_empty(sub.numel) for name in names}
+            for name in names:
+                self.swapper.read(self.nvme.key(sub, name), into=out[id(sub)][name]).result()
+        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in [*self.kept, *self._slots]:
@@ -513,9 +544,10 @@ class OffloadAdam(torch.optim.Optimizer):
         self._wait_for_update()
         self._wait_for_device()
         unsent = {id(slot) for slot in self._unsent}
+        on_disk = self._read_state(*STATE)
         state = {}
         for index, slot in enumerate(self._slots.values()):
-            buffers = slot.subgroup.buffers
+            buffers = on_disk.get(id(slot.subgroup), slot.subgroup.buffers)
             state[index] = {"step": slot.step, "shape": tuple(slot.param.shape),
                             **{name: slot.view(buffers[name]).to("cpu", copy=True) for name in STATE}}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -549,10 +581,18 @@ class OffloadAdam(torch.optim.Optimizer):
                              f"{len(self.kept)} (or their shapes differ): same model and min_offload_numel?")
         for group, saved_group in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update(saved_group)
+        positions = {id(slot): index for index, slot in enumerate(slots)}
         for index, slot in enumerate(slots):
             slot.step = saved[index]["step"]
-            for name in STATE:
-                slot.view(slot.subgroup.buffers[name]).copy_(saved[index][name])
+            if self.nvme is None or slot.subgroup.where != "cpu":
+                for name in STATE:
+                    slot.view(slot.subgroup.buffers[name]).copy_(saved[index][name])
+        if self.nvme is not None:  # NVMe tier: each subgroup's state goes to the disk and its weights up
+            for sub in self.nvme.visit(self._on_cpu()):
+                for slot in sub.slots:
+                    for name in STATE:
+                        slot.view(sub.buffers[name]).copy_(saved[positions[id(slot)]][name])
+                self._upload(sub.slots)
         if self._device_opt is not None:
             self._device_opt.load_state_dict(state_dict["kept"])
         scale = state_dict["loss_scale"]
@@ -564,7 +604,9 @@ class OffloadAdam(torch.optim.Optimizer):
             self._uploaded.synchronize()  # an earlier upload may still read the upload buffers
         for slot in self._unsent:
             self._staging(slot, "upload").copy_(self._master(slot))
-        self._upload([slot for index, slot in enumerate(slots) if index not in unsent and slot.subgroup.where == "cpu"])
+        if self.nvme is None:
+            self._upload([slot for index, slot in enumerate(slots)
+                          if index not in unsent and slot.subgroup.where == "cpu"])
         for slot in slots:
             if slot.subgroup.where != "cpu":  # updated on the device: its weights are written directly
                 slot.param.data.copy_(self._master(slot))

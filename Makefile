@@ -17,7 +17,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 NBVAL := $(BIN)/python -m pytest -p no:cacheprovider --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
 NOTEBOOKS := book/chapters exercises/solutions
 
-.PHONY: book test lab labs lint bench clean
+.PHONY: book test lab labs lint bench fio clean
 
 $(VENV_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,11 +57,17 @@ test: $(VENV_STAMP) $(VENDOR_STAMP)
 lab: $(VENV_STAMP)
 	$(BIN)/jupyter lab --ip=127.0.0.1 --notebook-dir=. $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-bench: $(VENV_STAMP)
+bench: $(VENV_STAMP) fio
 	@benches="$(filter-out bench/gpu_check.py bench/common.py,$(wildcard bench/*.py))"; \
 	[ -n "$$benches" ] || echo "no benchmarks yet"; \
 	echo "(bench/adam.py compares with DeepSpeed when it is installed: see bench/README.md)"; \
 	for b in $$benches; do $(BIN)/python $$b || exit 1; done
+
+# bench/swapper.py compares the NVMe swapper with fio on the same directory: install it where we can.
+fio:
+	@command -v fio >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio >/dev/null; } || \
+	  echo "fio is not installed and could not be (needs root and apt-get): bench/swapper.py leaves its rows out"
 
 clean:
 	rm -rf book/_build book/_vendor .cache

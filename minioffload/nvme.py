@@ -89,7 +89,9 @@ class Swapper:
         self.block_size, self.workers, self.verify = block_size, workers, verify
         self.direct = direct and self._direct_works()
         self._pool = ThreadPoolExecutor(workers, "swap-io")
-        self._finisher = ThreadPoolExecutor(1, "swap-commit")  # fsync + index, checksums: after the blocks
+        # after the blocks: a write's fsync and index commit (in order), a read's checksum; apart, so that a read
+        # never waits behind a write's fsync
+        self._commits, self._checks = ThreadPoolExecutor(1, "swap-commit"), ThreadPoolExecutor(1, "swap-check")
         self._lock = threading.Lock()
         self._key_busy: dict[str, Future] = {}  # the last operation queued on each key: the next one waits
         self._bounce = threading.local()
@@ -157,7 +159,6 @@ class Swapper:
             with self._lock:  # the slot the index does not point to (decided once earlier writes are in)
                 slot = 1 - self.index[key]["slot"] if key in self.index else 0
             path = self._file(key, slot)
-            digest = checksum(tensor)  # before the I/O: what the file must hold
             started = time.perf_counter()
             try:
                 fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -169,6 +170,7 @@ class Swapper:
 
             def commit() -> None:
                 try:
+                    digest = checksum(tensor)  # while the blocks go out: the tensor does not change meanwhile
                     for job in jobs:
                         job.result()
                     os.fsync(fd)
@@ -184,7 +186,7 @@ class Swapper:
                 finally:
                     os.close(fd)
 
-            self._finisher.submit(commit)
+            self._commits.submit(commit)
 
         self._after(before, start, result, key)
         return result
@@ -269,7 +271,7 @@ class Swapper:
                 finally:
                     os.close(fd)
 
-            self._finisher.submit(finish)
+            self._checks.submit(finish)
 
         self._after(before, start, result, key)
         return result
@@ -342,7 +344,8 @@ class Swapper:
 
     def close(self) -> None:
         """Wait for every queued operation, then stop the workers."""
-        self._finisher.shutdown(wait=True)
+        self._commits.shutdown(wait=True)
+        self._checks.shutdown(wait=True)
         self._pool.shutdown(wait=True)
 
     def __enter__(self) -> Swapper:

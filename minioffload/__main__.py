@@ -87,6 +87,8 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
                     help="hybrid update: this share of subgroups keeps its state and update on the device")
     tr.add_argument("--stride", type=int, default=d.stride, metavar="K",
                     help="hybrid update: every K-th subgroup's state visits the device for its update")
+    tr.add_argument("--nvme-dir", default=d.nvme_dir, metavar="DIR",
+                    help="keep the optimizer state in files in DIR (on an NVMe drive): chapter 6's tier")
     tr.add_argument("--max-grad-norm", type=parse_grad_norm, default=d.max_grad_norm,
                     help="clip gradients to this global norm; 'none' turns clipping off")
     tr.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step")

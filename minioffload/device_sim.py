@@ -134,9 +134,6 @@ class SimStream:
         self._queue.put((op, time.perf_counter()))
 
     def _run(self) -> None:
-        # One CPU thread per stream, like one engine: torch's thread count is per thread (OpenMP), and a worker
-        # that opened a team of its own would spin against the host's kernels for the same two cores.
-        torch.set_num_threads(1)
         while (item := self._queue.get()) is not None:
             op, enqueued = item
             try:

@@ -4,7 +4,8 @@ OffloadAdam updates every subgroup on the CPU by default, and the device idles t
 phase with its memory mostly empty (Maurya et al., 2024). Two ways to give it part of the work:
 
     gpu_fraction=f   static, like DeepSpeed's Twin-Flow: the last round(f * n) subgroups keep their fp32
-                     state on the device for good and are updated there; costs 12 B/param of device memory
+                     state on the device for good and are updated there; costs 16 B/param of device memory
+                     (state and its gradient buffer)
     stride=k         dynamic, like Deep Optimizer States: every k-th subgroup's state is copied to the device,
                      updated there and copied back (12 B/param each way), while the CPU updates the others;
                      costs two subgroups' worth of device scratch

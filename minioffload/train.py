@@ -34,6 +34,7 @@ from . import hybrid
 from .device import device as make_device
 from .memory import format_bytes
 from .models import GPT, CharTokenizer, GPTConfig, batches, load_text, train_val_split
+from .nvme import Swapper
 from .offload import OffloadAdam
 from .trace import Span, union_length
 
@@ -61,6 +62,7 @@ class TrainConfig:
     delay_updates_after: int | None = None  # None: no delayed update; n: DPU after n synchronous steps
     gpu_fraction: float | None = None  # hybrid update, static: this share of subgroups keeps its state on the device
     stride: int | None = None  # hybrid update, dynamic: every stride-th subgroup is updated on the device
+    nvme_dir: str | None = None  # keep the optimizer state in files here (the NVMe tier); None: in host memory
     max_grad_norm: float | None = 1.0  # clip by global norm; None turns clipping off
     grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0
@@ -101,10 +103,13 @@ class TrainConfig:
         if self.delay_updates_after is not None and (self.gpu_fraction or self.stride):
             raise ValueError("TrainConfig.delay_updates_after does not combine with a hybrid update (gpu_fraction, "
                              "stride): choose one")
-        settings = (self.delay_updates_after, self.gpu_fraction, self.stride)
+        if self.nvme_dir is not None and any(v is not None for v in (self.delay_updates_after, self.gpu_fraction,
+                                                                     self.stride)):
+            raise ValueError("TrainConfig.nvme_dir does not combine with delayed or hybrid updates yet")
+        settings = (self.delay_updates_after, self.gpu_fraction, self.stride, self.nvme_dir)
         if (any(v is not None for v in settings) or self.min_offload_numel) and not self.offload:
-            raise ValueError("TrainConfig.delay_updates_after, min_offload_numel, gpu_fraction and stride are "
-                             "OffloadAdam settings: they need offload=True")
+            raise ValueError("TrainConfig.delay_updates_after, min_offload_numel, gpu_fraction, stride and nvme_dir "
+                             "are OffloadAdam settings: they need offload=True")
         if not isinstance(self.offload, bool):
             raise ValueError(f"TrainConfig.offload must be True or False, got {self.offload!r}")
 
@@ -207,11 +212,15 @@ def train(config: TrainConfig) -> TrainResult:
 def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, tqdm) -> TrainResult:
     _put_on_device(model, dev, config.precision)
     params = list(model.parameters())
+    swapper = None
+    if config.nvme_dir is not None:
+        Path(config.nvme_dir).mkdir(parents=True, exist_ok=True)
+        swapper = Swapper(config.nvme_dir)
     if config.offload:
         opt = OffloadAdam(params, dev, lr=config.lr, subgroup_numel=config.subgroup_numel,
                           max_grad_norm=config.max_grad_norm, min_offload_numel=config.min_offload_numel,
                           delay_updates_after=config.delay_updates_after, gpu_fraction=config.gpu_fraction,
-                          stride=config.stride)
+                          stride=config.stride, swapper=swapper)
     else:
         if config.precision == "bf16":
             warnings.warn("precision='bf16' with offload=False: torch AdamW updates the bf16 weights directly "
@@ -275,6 +284,8 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, tqdm) -> Tr
     bar.close()
 
     summary = _summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_per_step)
+    if swapper is not None:
+        swapper.close()  # every queued write lands first
     paths = {"trace": dev.trace.save(out_dir / "trace.json"), "loss": out_dir / "loss.csv",
              "summary": out_dir / "summary.json"}
     with open(paths["loss"], "w", newline="") as f:
@@ -318,6 +329,7 @@ def _summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens
         "tokens_per_s": tokens_per_step / split["step_s"],
         "device_peak_bytes": dev.ledger.peak("device"),
         "optimizer_host_bytes": host_bytes,
+        "optimizer_nvme_bytes": 12 * sum(sub.numel for sub in opt.subgroups) if getattr(opt, "nvme", None) else 0,
         "final_train_loss": losses[-1],
         "final_val_loss": val_losses[max(val_losses)],
         "best_val_loss": min(val_losses.values()),
@@ -336,6 +348,8 @@ def format_summary(summary: dict) -> str:
     cfg = summary["config"]
     step = summary["step_s"]
     delayed = cfg.get("delay_updates_after")
+    nvme_bytes = summary.get("optimizer_nvme_bytes", 0)
+    on_nvme = f", {format_bytes(nvme_bytes)} on NVMe" if nvme_bytes else ""
     lines = [f"{cfg['model']} GPT, {summary['num_params']:,} parameters, {cfg['precision']}, "
              f"{'OffloadAdam (state on the host)' if cfg['offload'] else 'AdamW on the device (baseline)'}"
              f"{'' if delayed is None else f', updates delayed one step after step {delayed}'}"
@@ -351,7 +365,7 @@ def format_summary(summary: dict) -> str:
         lines.append(f"  {label:<32}{summary[key] * 1e3:>9.2f}{share:>8.0%}")
     lines += [f"throughput          {summary['tokens_per_s']:,.0f} tokens/s",
               f"device peak memory  {format_bytes(summary['device_peak_bytes'])}",
-              f"optimizer on host   {format_bytes(summary['optimizer_host_bytes'])} pinned",
+              f"optimizer on host   {format_bytes(summary['optimizer_host_bytes'])} pinned{on_nvme}",
               f"final loss          train {summary['final_train_loss']:.4f}, val {summary['final_val_loss']:.4f} "
               f"(best val {summary['best_val_loss']:.4f} at step {summary['best_val_step']})",
               f"sample ({len(summary['sample'])} characters):",

@@ -32,7 +32,7 @@ from common import stats, write  # noqa: E402
 
 from minioffload.adam import adam_fused  # noqa: E402
 from minioffload.device import device  # noqa: E402
-from minioffload.nvme import Swapper  # noqa: E402
+from minioffload.nvme import Swapper, measure  # noqa: E402
 from minioffload.offload import OffloadAdam  # noqa: E402
 from minioffload.pinned import aligned_empty  # noqa: E402
 
@@ -54,19 +54,9 @@ def fio(path: Path, rw: str, size: int, block: int, engine: str, jobs: int) -> f
 
 
 def swapper_pass(directory: Path, data: torch.Tensor, back: torch.Tensor, block: int, workers: int) -> dict:
-    with Swapper(directory, block_size=block, workers=workers, verify=False) as swap:
-        start = time.perf_counter()
-        swap.write("bench", data).result()
-        written = time.perf_counter()
-        swap.read("bench", into=back).result()
-        read = time.perf_counter()
-    with Swapper(directory, block_size=block, workers=workers, verify=True) as swap:
-        checked_start = time.perf_counter()
-        swap.read("bench", into=back).result()
-        checked = time.perf_counter()
-    nbytes = data.numel()
-    return {"write_GBps": nbytes / (written - start) / 1e9, "read_GBps": nbytes / (read - written) / 1e9,
-            "read_verified_GBps": nbytes / (checked - checked_start) / 1e9}
+    plain = measure(directory, data, back, block_size=block, workers=workers)
+    checked = measure(directory, data, back, block_size=block, workers=workers, verify=True)
+    return {**plain, "read_verified_GBps": checked["read_GBps"]}
 
 
 def pipeline(directory: Path, subgroups: int, numel: int, block: int, workers: int, rounds: int) -> dict:

@@ -355,6 +355,18 @@ class Swapper:
         self.close()
 
 
+def measure(directory: str | Path, data: torch.Tensor, back: torch.Tensor, **options) -> dict:
+    """One durable write of `data` and one read into `back` with a Swapper(directory, **options): GB/s each."""
+    nbytes = data.numel() * data.element_size()
+    with Swapper(directory, **{"verify": False, **options}) as swap:
+        start = time.perf_counter()
+        swap.write("measure", data).result()
+        written = time.perf_counter()
+        swap.read("measure", into=back).result()
+        read = time.perf_counter()
+    return {"write_GBps": nbytes / (written - start) / 1e9, "read_GBps": nbytes / (read - written) / 1e9}
+
+
 def tune(directory: str | Path, block_sizes=(1 << 18, 1 << 20, 1 << 22), workers=(1, 2, 4, 8),
          file_bytes: int = 256 << 20, progress: bool = False) -> dict:
     """Sweep block size x worker count on `directory` (like DeepSpeed's ds_nvme_tune): write then read one
@@ -373,14 +385,8 @@ def tune(directory: str | Path, block_sizes=(1 << 18, 1 << 20, 1 << 22), workers
     rows = []
     try:
         for block_size, count in settings:
-            with Swapper(scratch, block_size=block_size, workers=count, verify=False) as swap:
-                start = time.perf_counter()
-                swap.write("tune", data).result()
-                written = time.perf_counter()
-                swap.read("tune", into=back).result()
-                read = time.perf_counter()
-            rows.append({"block_size": block_size, "workers": count, "write_GBps": file_bytes / (written - start) / 1e9,
-                         "read_GBps": file_bytes / (read - written) / 1e9})
+            rows.append({"block_size": block_size, "workers": count,
+                         **measure(scratch, data, back, block_size=block_size, workers=count)})
     finally:
         for path in scratch.iterdir():
             path.unlink()

@@ -3,7 +3,7 @@ device memory refused before anything moves, bad settings named."""
 
 import pytest
 import torch
-from test_offload import HYPER, Toy, batch, loss_of, on_sim, train
+from test_offload import HYPER, Toy, assert_resumes_bit_for_bit, batch, loss_of, on_sim, train
 
 from minioffload import hybrid
 from minioffload.device import device
@@ -122,28 +122,12 @@ def test_the_split_model():
 
 
 def test_a_checkpoint_of_a_hybrid_run_continues_bit_for_bit():
-    def fresh_run(dev):
+    def make(dev, name):
         torch.manual_seed(0)
         model = on_sim(Toy(), dev)
         return model, OffloadAdam(model.parameters(), dev, subgroup_numel=300, stride=2, **HYPER)
 
-    with device("sim") as dev:
-        straight, opt = fresh_run(dev)
-        train(straight, opt, 4)
-    with device("sim") as dev:
-        first, opt = fresh_run(dev)
-        train(first, opt, 2)
-        saved = {"model": {k: v.clone() for k, v in first.state_dict().items()}, "opt": opt.state_dict()}
-    with device("sim") as dev:
-        resumed, opt = fresh_run(dev)
-        resumed.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        for step in range(2, 4):
-            loss_of(resumed, *batch(100 * step)).backward()
-            opt.step()
-            opt.zero_grad()
-        dev.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters(), strict=True))
+    assert_resumes_bit_for_bit(make)
 
 
 @pytest.mark.parametrize("split", [{"stride": 2}, {"gpu_fraction": 0.5}], ids=str)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from test_offload import HYPER, Toy, batch, loss_of, on_sim, train
+from test_offload import HYPER, Toy, assert_resumes_bit_for_bit, on_sim, train
 
 from minioffload.device import device
 from minioffload.nvme import Swapper
@@ -48,28 +48,14 @@ def test_reads_and_writes_carry_12_bytes_per_param_and_overlap_the_update(tmp_pa
 
 
 def test_a_checkpoint_of_the_nvme_tier_resumes_bit_for_bit(tmp_path):
-    def fresh(directory):
+    def make(dev, name):
         torch.manual_seed(0)
         model = on_sim(Toy(), dev)
-        directory.mkdir()
-        return model, OffloadAdam(model.parameters(), dev, subgroup_numel=300, swapper=Swapper(directory),
-                                  **HYPER)
+        (tmp_path / name).mkdir()
+        swapper = Swapper(tmp_path / name)
+        return model, OffloadAdam(model.parameters(), dev, subgroup_numel=300, swapper=swapper, **HYPER)
 
-    with device("sim") as dev:
-        straight, opt = fresh(tmp_path / "straight")
-        train(straight, opt, 4)
-        first, opt = fresh(tmp_path / "first")
-        train(first, opt, 2)
-        saved = {"model": {k: v.clone() for k, v in first.state_dict().items()}, "opt": opt.state_dict()}
-        resumed, opt = fresh(tmp_path / "resumed")
-        resumed.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        for step in range(2, 4):
-            loss_of(resumed, *batch(100 * step)).backward()
-            opt.step()
-            opt.zero_grad()
-        dev.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters(), strict=True))
+    assert_resumes_bit_for_bit(make)
 
 
 @pytest.mark.parametrize("options, match", [

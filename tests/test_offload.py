@@ -84,6 +84,26 @@ def straight_and_first(steps_before_saving=3, **options):
     return straight, checkpoint
 
 
+def assert_resumes_bit_for_bit(make):
+    """`make(dev, name)` -> (model, optimizer), seeded alike: four straight steps equal two, a checkpoint into a
+    fresh pair, and two more."""
+    with device("sim") as dev:
+        straight, opt = make(dev, "straight")
+        train(straight, opt, 4)
+        first, opt = make(dev, "first")
+        train(first, opt, 2)
+        saved = {"model": {k: v.clone() for k, v in first.state_dict().items()}, "opt": opt.state_dict()}
+        resumed, opt = make(dev, "resumed")
+        resumed.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        for step in range(2, 4):
+            loss_of(resumed, *batch(100 * step)).backward()
+            opt.step()
+            opt.zero_grad()
+        dev.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters(), strict=True))
+
+
 def pair(seed=0, **kwargs):
     torch.manual_seed(seed)
     ours = Toy()

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -177,6 +177,7 @@ class Swapper:
             def commit() -> None:
                 try:
                     digest = checksum(tensor)  # while the blocks go out: the tensor does not change meanwhile
+                    wait(jobs)  # every range, even after one failed: none may touch the fd once it is closed
                     for job in jobs:
                         job.result()
                     os.fsync(fd)
@@ -271,6 +272,7 @@ class Swapper:
 
             def finish() -> None:
                 try:
+                    wait(jobs)  # every range, even after one failed: none may touch the fd once it is closed
                     for job in jobs:
                         job.result()
                     if self.verify and checksum(into) != entry["checksum"]:

@@ -1,0 +1,352 @@
+"""Lab 6 verdicts: right answers pass, plausible mistakes fail with a reason, stubs say TODO."""
+
+import errno
+import json
+import os
+from collections import deque
+
+import numpy as np
+import pytest
+
+from minioffload import check, memory
+from minioffload.check import lab06
+from minioffload.pinned import ALIGNMENT, aligned_empty
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError("Task")
+
+
+def padded(nbytes):
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+# Task 6.1 --------------------------------------------------------------------------------------
+
+def write_blocks(fd, data, block_size, *, pad=True, pad_byte=0, copy=False, one_call=False):
+    """The reference answer, with switches that turn it into one plausible mistake at a time."""
+    nbytes = len(data)
+    step = max(nbytes, 1) if one_call else block_size
+    for offset in range(0, nbytes, step):
+        chunk = data[offset:offset + step]
+        if pad and len(chunk) % ALIGNMENT:
+            bounce = aligned_empty(padded(len(chunk)), pin=False).numpy()
+            bounce[:] = pad_byte
+            bounce[:len(chunk)] = np.frombuffer(chunk, np.uint8)
+            chunk = memoryview(bounce)
+        if copy:
+            chunk = bytes(chunk)
+        written = os.pwritev(fd, [chunk], offset)
+        if written != len(chunk):
+            raise OSError(errno.EIO, f"short write at offset {offset}")
+
+
+def read_blocks(fd, into, nbytes, block_size, *, trim=True, skip_partial=False):
+    for offset in range(0, nbytes, block_size):
+        end = min(offset + block_size, nbytes)
+        if (end - offset) % ALIGNMENT and trim:
+            bounce = aligned_empty(padded(end - offset), pin=False).numpy()
+            got = os.preadv(fd, [bounce], offset)
+            into[offset:end] = memoryview(bounce)[:end - offset]
+        elif (end - offset) % ALIGNMENT and skip_partial:
+            continue
+        else:
+            got = os.preadv(fd, [into[offset:end]], offset)
+        if got < end - offset:
+            raise OSError(errno.EIO, f"short read at offset {offset}")
+
+
+def block_io_with(write_mistake=None, read_mistake=None):
+    def fn(write, fd, buffer, nbytes, block_size):
+        if write:
+            write_blocks(fd, buffer, block_size, **(write_mistake or {}))
+        else:
+            read_blocks(fd, buffer, nbytes, block_size, **(read_mistake or {}))
+    return fn
+
+
+def write_with_os_write(write, fd, buffer, nbytes, block_size):
+    if write:
+        os.write(fd, bytes(buffer) + bytes(padded(nbytes) - nbytes))
+    else:
+        read_blocks(fd, buffer, nbytes, block_size)
+
+
+# Task 6.2 --------------------------------------------------------------------------------------
+
+def fsync_folder(directory):
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(directory, key, write_version, index, *, same_slot=False, data_fsync="before", tmp_fsync=True,
+           flush=True, replace=True, dir_fsync=True, mutate=False, keep_others=True, fsync_parent=False):
+    """The reference answer, with switches that turn it into one plausible mistake at a time."""
+    slot = index[key]["slot"] if key in index else 0
+    if not same_slot:
+        slot = 1 - index[key]["slot"] if key in index else 0
+    fd = os.open(directory / f"{key}.{slot}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    entry = {"slot": slot, **write_version(fd)}
+    if data_fsync == "before":
+        os.fsync(fd)
+    if mutate:
+        index[key] = entry
+    new_index = {**index, key: entry} if keep_others else {key: entry}
+    target = directory / ("index.json.tmp" if replace else "index.json")
+    with open(target, "w") as f:
+        json.dump(new_index, f)
+        if flush:
+            f.flush()
+        if tmp_fsync:
+            os.fsync(f.fileno())
+    if replace:
+        os.replace(target, directory / "index.json")
+    if dir_fsync:
+        fsync_folder(directory.parent if fsync_parent else directory)
+    if data_fsync == "after":
+        os.fsync(fd)
+    os.close(fd)
+    return new_index
+
+
+def commit_with(**mistake):
+    def fn(directory, key, write_version, index):
+        return commit(directory, key, write_version, index, **mistake)
+    return fn
+
+
+# Task 6.3 --------------------------------------------------------------------------------------
+
+def pipelined_update(n, read, update, write, buffers):
+    """The reference answer: subgroup k in buffer k % len(buffers)."""
+    count = len(buffers)
+    writes = [None] * count
+
+    def start_read(k):
+        b = k % count
+        if writes[b] is not None:
+            writes[b].result()  # never read into a buffer whose write is still in flight
+        return buffers[b], read(k, buffers[b])
+
+    reading = start_read(0) if n else None
+    for k in range(n):
+        buf, done = reading
+        if k + 1 < n:
+            reading = start_read(k + 1)
+        done.result()
+        update(k, buf)
+        writes[k % count] = write(k, buf)
+    for future in writes:
+        if future is not None:
+            future.result()
+
+
+def pipelined_free_list(n, read, update, write, buffers):
+    """Another right answer: a free list, and the oldest write waited for when none is free."""
+    free, writing, reads = deque(buffers), deque(), {}
+
+    def start_read(k):
+        if not free:
+            future, buf = writing.popleft()
+            future.result()
+            free.append(buf)
+        buf = free.popleft()
+        reads[k] = (read(k, buf), buf)
+
+    for k in range(n):
+        if k not in reads:
+            start_read(k)
+        if k + 1 < n:
+            start_read(k + 1)
+        future, buf = reads.pop(k)
+        future.result()
+        update(k, buf)
+        writing.append((write(k, buf), buf))
+    for future, _ in writing:
+        future.result()
+
+
+def serial(n, read, update, write, buffers):
+    for k in range(n):
+        read(k, buffers[0]).result()
+        update(k, buffers[0])
+        write(k, buffers[0]).result()
+
+
+def waits_for_each_write(n, read, update, write, buffers):
+    reading = read(0, buffers[0]) if n else None
+    for k in range(n):
+        done = reading
+        if k + 1 < n:
+            reading = read(k + 1, buffers[(k + 1) % 2])
+        done.result()
+        update(k, buffers[k % 2])
+        write(k, buffers[k % 2]).result()
+
+
+def waits_for_the_next_read(n, read, update, write, buffers):
+    writes = [None] * len(buffers)
+    following = read(0, buffers[0]) if n else None
+    for k in range(n):
+        b, current = k % len(buffers), following
+        if k + 1 < n:
+            c = (k + 1) % len(buffers)
+            if writes[c] is not None:
+                writes[c].result()
+            following = read(k + 1, buffers[c])
+            following.result()  # waits for the wrong read: k+1 is in before k is updated
+        current.result()
+        update(k, buffers[b])
+        writes[b] = write(k, buffers[b])
+    for future in writes:
+        if future is not None:
+            future.result()
+
+
+def round_robin_without_waiting(n, read, update, write, buffers):
+    writes = []
+    reading = read(0, buffers[0]) if n else None
+    for k in range(n):
+        done = reading
+        if k + 1 < n:
+            reading = read(k + 1, buffers[(k + 1) % len(buffers)])
+        done.result()
+        update(k, buffers[k % len(buffers)])
+        writes.append(write(k, buffers[k % len(buffers)]))
+    for future in writes:
+        future.result()
+
+
+def no_wait_for_reads(n, read, update, write, buffers):
+    for k in range(n):
+        read(k, buffers[0])
+        update(k, buffers[0])
+        write(k, buffers[0]).result()
+
+
+def no_final_wait(n, read, update, write, buffers):
+    writes = [None] * len(buffers)
+    for k in range(n):
+        b = k % len(buffers)
+        if writes[b] is not None:
+            writes[b].result()
+        read(k, buffers[b]).result()
+        update(k, buffers[b])
+        writes[b] = write(k, buffers[b])
+
+
+def fresh_buffers(n, read, update, write, buffers):
+    for k in range(n):
+        buf = aligned_empty(4096, pin=False)
+        read(k, buf).result()
+
+
+# Task 6.4 --------------------------------------------------------------------------------------
+
+def bytes_per_tier(num_params, precision="mixed_bf16", placement="optimizer_nvme"):
+    fp = memory.footprint(precision, "adam", placement)
+    return {tier: fp.bytes(num_params, tier) for tier in memory.TIERS}
+
+
+REFERENCE = {
+    "6.1": block_io_with(),
+    "6.2": commit,
+    "6.3": pipelined_update,
+    "6.4": bytes_per_tier,
+}
+WRONG = [  # (task, plausible mistake, what the verdict must mention)
+    ("6.1", block_io_with(write_mistake={"pad": False}), "bounce buffer"),
+    ("6.1", block_io_with(write_mistake={"pad_byte": 0xFF}), "padding after the data is not zeros"),
+    ("6.1", block_io_with(write_mistake={"copy": True}), "not a multiple of 4096"),
+    ("6.1", block_io_with(write_mistake={"one_call": True}), "one block per call"),
+    ("6.1", write_with_os_write, "os.pwritev"),
+    ("6.1", block_io_with(read_mistake={"trim": False}), "bounce buffer"),
+    ("6.1", block_io_with(read_mistake={"trim": False, "skip_partial": True}), "the partial last block is read"),
+    ("6.2", commit_with(same_slot=True), "the slot the index points to"),
+    ("6.2", commit_with(data_fsync="after"), "fsync the new version's file"),
+    ("6.2", commit_with(data_fsync="never"), "fsync the new version's file"),
+    ("6.2", commit_with(tmp_fsync=False), "fsync the temporary index"),
+    ("6.2", commit_with(flush=False), "flush the temporary index"),
+    ("6.2", commit_with(replace=False), "os.replace it over index.json"),
+    ("6.2", commit_with(dir_fsync=False), "fsync the folder after os.replace"),
+    ("6.2", commit_with(fsync_parent=True), "fsync the folder after os.replace"),
+    ("6.2", commit_with(mutate=True), "the index dict you were given changed"),
+    ("6.2", commit_with(keep_others=False), "copies every other entry"),
+    ("6.3", serial, "read(k + 1) only started after update(k)"),
+    ("6.3", waits_for_each_write, "do not wait for write(k) at once"),
+    ("6.3", waits_for_the_next_read, "wait for read(k) alone"),
+    ("6.3", round_robin_without_waiting, "while write("),
+    ("6.3", no_wait_for_reads, "before read(0) had finished"),
+    ("6.3", no_final_wait, "returned while write("),
+    ("6.3", fresh_buffers, "not one of `buffers`"),
+    ("6.4", lambda n, precision="mixed_bf16": memory.footprint(precision, "adam", "optimizer_nvme").by_tier(),
+     "bytes per parameter"),
+    ("6.4", lambda n, precision="mixed_bf16": bytes_per_tier(n, precision, "optimizer_cpu"), "ZeRO-Offload"),
+    ("6.4", lambda n, precision="fp32": bytes_per_tier(n, precision), "default precision"),
+    ("6.4", lambda n, precision="mixed_bf16": {"device": bytes_per_tier(n, precision)["device"]}, "three tiers"),
+]
+
+
+@pytest.mark.parametrize("task_id", sorted(REFERENCE))
+def test_reference_passes(task_id):
+    verdict = check.grade(task_id, REFERENCE[task_id])
+    assert verdict.passed, str(verdict)
+    assert str(verdict).startswith(f"PASS Task {task_id}: ")
+
+
+def test_another_pipeline_passes():
+    verdict = check.grade("6.3", pipelined_free_list)
+    assert verdict.passed, str(verdict)
+
+
+@pytest.mark.parametrize("task_id, wrong, reason", WRONG, ids=[f"{t}-{n}" for n, (t, _, _) in enumerate(WRONG)])
+def test_plausible_mistake_fails_with_a_reason(task_id, wrong, reason):
+    verdict = check.grade(task_id, wrong)
+    assert verdict.status == "FAIL" and reason in verdict.detail, str(verdict)
+
+
+@pytest.mark.parametrize("task_id", sorted(REFERENCE))
+def test_stub_is_todo(task_id):
+    assert check.grade(task_id, stub).status == "TODO"
+
+
+def test_without_o_direct_the_calls_are_still_checked(monkeypatch):
+    """Where the filesystem refuses O_DIRECT, the logged calls still catch an unpadded last block."""
+    monkeypatch.setattr(lab06, "_direct_works", lambda directory: False)
+    assert check.grade("6.1", REFERENCE["6.1"]).passed
+    verdict = check.grade("6.1", block_io_with(write_mistake={"pad": False}))
+    assert verdict.status == "FAIL" and "bounce buffer" in verdict.detail, str(verdict)
+
+
+def test_the_check_leaves_no_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for task_id in ("6.1", "6.2"):
+        check.grade(task_id, REFERENCE[task_id])
+        check.grade(task_id, WRONG[0][1] if task_id == "6.1" else commit_with(same_slot=True))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_model_drive_keeps_only_what_was_fsynced(tmp_path):
+    (tmp_path / "old").write_bytes(b"a" * 100)
+    disk = lab06._Disk(tmp_path)
+    (tmp_path / "old").write_bytes(b"b" * 100)  # written in place, not fsynced: torn
+    (tmp_path / "new").write_bytes(b"c" * 10)  # a new name, the folder not fsynced: gone
+    assert disk.after_crash() == {"old": b"b" * 50 + b"a" * 50}
+    for name in ("old", "new"):
+        fd = os.open(tmp_path / name, os.O_RDONLY)
+        disk.fsync(fd)
+        os.close(fd)
+    assert disk.after_crash() == {"old": b"b" * 100}
+    fd = os.open(tmp_path, os.O_RDONLY)
+    disk.fsync(fd)
+    os.close(fd)
+    assert disk.after_crash() == {"old": b"b" * 100, "new": b"c" * 10}
+
+
+def test_verdicts_hold_no_timings():
+    """nbval compares the check lines in strict mode: the same answer must print the same line."""
+    for task_id in sorted(REFERENCE):
+        assert str(check.grade(task_id, REFERENCE[task_id])) == str(check.grade(task_id, REFERENCE[task_id]))

@@ -190,3 +190,12 @@ def test_a_filesystem_without_o_direct_falls_back_with_one_warning(tmp_path, mon
     swap.read("x", into=back).result()
     swap.close()
     assert torch.equal(back, data)
+
+
+def test_an_unwritable_directory_is_named_with_the_fix(tmp_path, monkeypatch):
+    import minioffload.nvme as nvme
+
+    monkeypatch.setattr(nvme.os, "access", lambda path, mode: False)  # as root (CI) every directory is writable
+    with pytest.raises(PermissionError, match=f"swap directory {tmp_path} is not writable by this user"):
+        Swapper(tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -6,8 +6,8 @@
     utilisation_by_phase(dev, windows)        # mean and peak share of device capacity in use per phase
 
 A copy that straddles two phases is split between them in proportion to its time in each. Memory comes
-from the device's ledger (what the runtime holds), not from the allocator; on CUDA the chapter also
-reads torch.cuda.memory_allocated.
+from the device's ledger (what the runtime holds and adopts), not from the allocator: on CUDA, activations
+that autograd saves are not in it unless adopted (chapter 5 adopts them with saved-tensor hooks).
 
 What this is not: a profiler; it reads what the trace and the ledger already recorded.
 """

@@ -14,7 +14,7 @@ export JUPYTER_PLATFORM_DIRS := 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-NBVAL := $(BIN)/python -m pytest -p no:cacheprovider --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
+NBVAL := $(BIN)/python -m pytest -p no:cacheprovider --nbval --nbval-cell-timeout=600 --nbval-sanitize-with tests/nbval_sanitize.cfg
 NOTEBOOKS := book/chapters exercises/solutions
 
 .PHONY: book book-stored test lab labs lint bench fio clean

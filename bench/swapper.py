@@ -32,7 +32,8 @@ from common import stats, write  # noqa: E402
 
 from minioffload.adam import adam_fused  # noqa: E402
 from minioffload.device import device  # noqa: E402
-from minioffload.nvme import Swapper, measure  # noqa: E402
+from minioffload.nvme import Swapper  # noqa: E402
+from minioffload.nvme_tune import measure  # noqa: E402
 from minioffload.offload import OffloadAdam  # noqa: E402
 from minioffload.pinned import aligned_empty  # noqa: E402
 

@@ -50,6 +50,7 @@ import torch
 
 from . import hybrid
 from .adam import adam_fused
+from .device_path import DevicePath
 from .nvme_tier import STATE, NvmeTier
 
 
@@ -128,7 +129,6 @@ class OffloadAdam(torch.optim.Optimizer):
         self.d2h, self.h2d = dev.stream("offload d2h"), dev.stream("offload h2d")
         self.gpu_fraction, self.stride = gpu_fraction, stride
         self.swapper, self.nvme_buffers, self.nvme = swapper, nvme_buffers, None
-        self._device_done: list = []  # events: the device path's weights written, its state home again
         self.last_grad_norm: float | None = None  # before clipping, unscaled; None when clipping is off
         self.dynamic = loss_scale == "dynamic"
         self.scale = 2.0**16 if self.dynamic else float(loss_scale or 1.0)
@@ -175,7 +175,8 @@ class OffloadAdam(torch.optim.Optimizer):
             self.subgroups[index].where = "resident"
         for index in streamed:
             self.subgroups[index].where = "streamed"
-        self._allocate_device_state()  # first: a split that does not fit fails here, before anything moves
+        # first: a split that does not fit fails here, before anything moves
+        self.device_path = DevicePath(self.dev, self.subgroups) if resident or streamed else None
         for sub in self.subgroups:
             if sub.where == "resident":
                 for slot in sub.slots:
@@ -213,25 +214,6 @@ class OffloadAdam(torch.optim.Optimizer):
             slot.view(views["master"]).copy_(slot.param.detach().reshape(-1).float().cpu())
         views["exp_avg"].zero_()
         views["exp_avg_sq"].zero_()
-
-    def _allocate_device_state(self) -> None:
-        """Device memory of the hybrid update, in one allocation (it fits whole or raises, nothing held): a
-        resident subgroup's state and gradient (16 B/param), and two scratch sets of the largest streamed
-        subgroup's size (one copies while the other updates)."""
-        self._scratch = []
-        resident = [sub for sub in self.subgroups if sub.where == "resident"]
-        largest = max((sub.numel for sub in self.subgroups if sub.where == "streamed"), default=0)
-        total = 4 * (sum(sub.numel for sub in resident) + 2 * largest)
-        if not total:
-            return
-        flat = self.dev.empty(total, name="optimizer state on the device")
-        parts = iter(flat.split([sub.numel for sub in resident for _ in range(4)] + [largest] * 8))
-        for sub in resident:
-            sub.buffers = {name: next(parts) for name in (*STATE, "grad")}
-        if largest:
-            self._scratch = [{name: next(parts) for name in (*STATE, "grad")} for _ in range(2)]
-            self.state_in, self.state_out = self.dev.stream("state h2d"), self.dev.stream("state d2h")
-        self.gpu = self.dev.stream("device adam")
 
     def _staging(self, slot: _Slot, kind: str = "staging") -> torch.Tensor:
         """Pinned host memory for this parameter in the model's dtype: `staging` for its gradient (and its
@@ -328,75 +310,22 @@ class OffloadAdam(torch.optim.Optimizer):
         return fresh
 
     def _update_on_device(self, coef: float, fresh: list[_Slot], hyper: dict) -> None:
-        """Queue the device path of the hybrid update; returns at once. Streamed subgroups alternate between
-        two scratch sets: state in (h2d) -> device Adam -> state out (d2h), each on its own stream."""
-        fresh_ids = {id(slot) for slot in fresh}
-        dev, queued = self.dev, 0
+        """Queue the device path of the hybrid update (device_path.py); returns at once."""
+        if self.device_path is None:
+            return
+        fresh_ids, work = {id(slot) for slot in fresh}, []
         for sub in self.subgroups:
             slots = [s for s in sub.slots if id(s) in fresh_ids] if sub.where != "cpu" else []
-            if not slots:
-                continue
-            grads = [slot.param.grad for slot in slots]  # the launched update holds them until it has run
-            for slot in slots:
-                slot.param.grad = None  # consumed, as the offloaded gradients are: the next backward starts afresh
-            runs = self._runs(sub, slots)
-            if sub.where == "streamed":
-                scratch = self._scratch[queued % 2]
-                queued += 1
-                for waits in (scratch.get("free"), *self._device_done[1:]):  # its last user done; last step home
-                    if waits is not None:
-                        self.state_in.wait(waits)
-                buffers = {name: scratch[name][:sub.numel] for name in (*STATE, "grad")}
-                for name in STATE:
-                    dev.copy(buffers[name], sub.buffers[name], self.state_in, name=f"h2d {name}")
-                arrived = dev.event()
-                arrived.record(self.state_in)
-                self.gpu.wait(arrived)
-            else:
-                buffers = sub.buffers
-            dev.stream_waits_for_compute(self.gpu)  # backward wrote the gradients
-            if dev.kind == "cuda":
-                for grad in grads:
-                    grad.record_stream(self.gpu.stream)
-            dev.launch(self.gpu, self._device_adam, buffers, slots, grads, runs, coef, hyper,
-                       name=f"device adam {sub.numel / 1e6:.2f}M",
-                       duration=sub.numel / dev.adam_rate if dev.kind == "sim" else None)
-            if sub.where == "streamed":
-                updated = dev.event()
-                updated.record(self.gpu)
-                self.state_out.wait(updated)
-                for name in STATE:
-                    dev.copy(sub.buffers[name], buffers[name], self.state_out, name=f"d2h {name}")
-                scratch["free"] = dev.event()
-                scratch["free"].record(self.state_out)
-        if not hasattr(self, "gpu"):
-            return
-        self._device_done = [dev.event()]
-        self._device_done[0].record(self.gpu)
-        if queued:
-            self._device_done.append(dev.event())
-            self._device_done[1].record(self.state_out)
-
-    @staticmethod
-    def _device_adam(buffers: dict, slots: list[_Slot], grads: list, runs: list, coef: float, hyper: dict) -> None:
-        """On the device stream: gather the gradients into the flat buffer, Adam, write the weights."""
-        flat = buffers["grad"]
-        for slot, grad in zip(slots, grads, strict=True):
-            slot.view(flat).copy_(grad.reshape(-1))
-        if coef != 1.0:
-            flat.mul_(coef)
-        for run in runs:
-            span = slice(run[0].offset, run[-1].offset + run[-1].numel)
-            h = hyper[id(run[0].group)]
-            hybrid.device_adam(buffers["master"][span], flat[span], buffers["exp_avg"][span],
-                               buffers["exp_avg_sq"][span], step=run[0].step, **h)
-        for slot in slots:
-            slot.param.data.copy_(slot.view(buffers["master"]).view(slot.param.shape))
+            if slots:
+                grads = [slot.param.grad for slot in slots]  # the launched update holds them until it has run
+                for slot in slots:
+                    slot.param.grad = None  # consumed, as offloaded gradients are: the next backward starts afresh
+                work.append((sub, slots, grads, self._runs(sub, slots)))
+        self.device_path.queue(work, coef, hyper)
 
     def _wait_for_device(self) -> None:
-        """The host waits for the device path: its weights written and its state back in host memory."""
-        for event in self._device_done:
-            event.synchronize()
+        if self.device_path is not None:
+            self.device_path.wait()
 
     def _wait_for_update(self) -> None:
         """Join the delayed update, if one runs (re-raising its error); its weights join the unsent."""
@@ -414,7 +343,7 @@ class OffloadAdam(torch.optim.Optimizer):
             self._uploaded.record(self.h2d)
 
     def _next_forward_waits(self) -> None:
-        for event in [self._uploaded, *self._device_done[:1]]:
+        for event in [self._uploaded, self.device_path and self.device_path.weights_written]:
             if event is not None:
                 self.dev.compute_waits_for(event)  # the next forward reads the new weights, not the old
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from minioffload import check, memory
-from minioffload.check import lab06
+from minioffload.check import lab06, lab06_commit
 from minioffload.pinned import ALIGNMENT, aligned_empty
 
 
@@ -331,7 +331,7 @@ def test_the_check_leaves_no_files(tmp_path, monkeypatch):
 
 def test_the_model_drive_keeps_only_what_was_fsynced(tmp_path):
     (tmp_path / "old").write_bytes(b"a" * 100)
-    disk = lab06._Disk(tmp_path)
+    disk = lab06_commit._Disk(tmp_path)
     (tmp_path / "old").write_bytes(b"b" * 100)  # written in place, not fsynced: torn
     (tmp_path / "new").write_bytes(b"c" * 10)  # a new name, the folder not fsynced: gone
     assert disk.after_crash() == {"old": b"b" * 50 + b"a" * 50}

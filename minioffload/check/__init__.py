@@ -82,4 +82,4 @@ def expect(claim: str, ok: bool, detail: str = "") -> None:
     print(f"{'PASS' if ok else 'FAIL'} {claim}" + (f" ({detail})" if detail else ""))
 
 
-from . import lab01, lab02, lab02_pool, lab03, lab04, lab04_clip, lab05, lab06  # noqa: E402,F401  (registers the graders)
+from . import lab01, lab02, lab02_pool, lab03, lab04, lab04_clip, lab05, lab06, lab06_commit, lab06_pipeline  # noqa: E402,F401  (registers the graders)

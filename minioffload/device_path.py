@@ -1,0 +1,100 @@
+"""The device side of the hybrid update (chapter 5): device memory for it, and the queued work per step.
+
+    path = DevicePath(dev, subgroups)      # allocates, or raises OutOfMemoryError with nothing held
+    path.queue(work, coef, hyper)          # returns at once; the device streams do the rest
+    path.weights_written                   # the next forward waits for this event
+    path.wait()                            # the host waits: weights written, streamed state home again
+
+Resident subgroups keep their state and a gradient buffer on the device (16 B/param). Streamed ones
+alternate between two scratch sets over three streams: state in (h2d) -> device Adam -> state out (d2h),
+so one subgroup's state travels while the other's is updated.
+
+What this is not: the choice of subgroups or the model of the split (hybrid.py), nor the optimizer
+(offload.OffloadAdam builds the work list: each subgroup with its slots, gradients and Adam runs).
+"""
+
+from __future__ import annotations
+
+from . import hybrid
+from .nvme_tier import STATE
+
+
+class DevicePath:
+    def __init__(self, dev, subgroups: list):
+        self.dev = dev
+        self.scratch: list[dict] = []
+        self.done: list = []  # events of the last queue(): weights written; streamed state home again
+        resident = [sub for sub in subgroups if sub.where == "resident"]
+        largest = max((sub.numel for sub in subgroups if sub.where == "streamed"), default=0)
+        # one allocation: a split that does not fit raises here, before anything is held or moved
+        flat = dev.empty(4 * (sum(sub.numel for sub in resident) + 2 * largest), name="optimizer state on the device")
+        parts = iter(flat.split([sub.numel for sub in resident for _ in range(4)] + [largest] * 8))
+        for sub in resident:
+            sub.buffers = {name: next(parts) for name in (*STATE, "grad")}
+        if largest:
+            self.scratch = [{name: next(parts) for name in (*STATE, "grad")} for _ in range(2)]
+            self.state_in, self.state_out = dev.stream("state h2d"), dev.stream("state d2h")
+        self.gpu = dev.stream("device adam")
+
+    @property
+    def weights_written(self):
+        return self.done[0] if self.done else None
+
+    def queue(self, work: list[tuple], coef: float, hyper: dict) -> None:
+        """Queue the update of each (subgroup, slots, gradients, Adam runs) in `work`; returns at once."""
+        dev, streamed = self.dev, 0
+        for sub, slots, grads, runs in work:
+            if sub.where == "streamed":
+                scratch = self.scratch[streamed % 2]
+                streamed += 1
+                for waits in (scratch.get("free"), *self.done[1:]):  # its last user done; last step's state home
+                    if waits is not None:
+                        self.state_in.wait(waits)
+                buffers = {name: scratch[name][:sub.numel] for name in (*STATE, "grad")}
+                for name in STATE:
+                    dev.copy(buffers[name], sub.buffers[name], self.state_in, name=f"h2d {name}")
+                arrived = dev.event()
+                arrived.record(self.state_in)
+                self.gpu.wait(arrived)
+            else:
+                buffers = sub.buffers
+            dev.stream_waits_for_compute(self.gpu)  # backward wrote the gradients
+            if dev.kind == "cuda":
+                for grad in grads:
+                    grad.record_stream(self.gpu.stream)
+            dev.launch(self.gpu, _adam, buffers, slots, grads, runs, coef, hyper,
+                       name=f"device adam {sub.numel / 1e6:.2f}M",
+                       duration=sub.numel / dev.adam_rate if dev.kind == "sim" else None)
+            if sub.where == "streamed":
+                updated = dev.event()
+                updated.record(self.gpu)
+                self.state_out.wait(updated)
+                for name in STATE:
+                    dev.copy(sub.buffers[name], buffers[name], self.state_out, name=f"d2h {name}")
+                scratch["free"] = dev.event()
+                scratch["free"].record(self.state_out)
+        self.done = [dev.event()]
+        self.done[0].record(self.gpu)
+        if streamed:
+            self.done.append(dev.event())
+            self.done[1].record(self.state_out)
+
+    def wait(self) -> None:
+        """The host waits for the device path: its weights written and its state back in host memory."""
+        for event in self.done:
+            event.synchronize()
+
+
+def _adam(buffers: dict, slots: list, grads: list, runs: list, coef: float, hyper: dict) -> None:
+    """On the device stream: gather the gradients into the flat buffer, Adam, write the weights."""
+    flat = buffers["grad"]
+    for slot, grad in zip(slots, grads, strict=True):
+        slot.view(flat).copy_(grad.reshape(-1))
+    if coef != 1.0:
+        flat.mul_(coef)
+    for run in runs:
+        span = slice(run[0].offset, run[-1].offset + run[-1].numel)
+        hybrid.device_adam(buffers["master"][span], flat[span], buffers["exp_avg"][span],
+                           buffers["exp_avg_sq"][span], step=run[0].step, **hyper[id(run[0].group)])
+    for slot in slots:
+        slot.param.data.copy_(slot.view(buffers["master"]).view(slot.param.shape))

@@ -104,3 +104,37 @@ def adam_roofline(num_params: int = 50_000_000, repeats: int = 5) -> float:
     arrays = [np.ones(num_params, np.float32) for _ in range(4)]
     seconds = _median_seconds(lambda: _seven_streams(*arrays), repeats)
     return 28 * num_params / seconds
+
+
+def cpu_adam_rate(num_params: int = 20_000_000, repeats: int = 3) -> float:
+    """Params per second of chapter 3's fused fp32 AdamW (`adam.adam_fused`) on the threads numba allows."""
+    from .adam import adam_fused
+
+    if num_params <= 0 or repeats <= 0:
+        raise ValueError(f"num_params and repeats must be positive, got {num_params} and {repeats}")
+    param, grad = np.ones(num_params, np.float32), np.full(num_params, 1e-3, np.float32)
+    exp_avg, exp_avg_sq = np.zeros_like(param), np.zeros_like(param)
+    steps = iter(range(1, 1 << 30))
+    seconds = _median_seconds(lambda: adam_fused(param, grad, exp_avg, exp_avg_sq, step=next(steps), lr=1e-3), repeats)
+    return num_params / seconds
+
+
+def matmul_flops(n: int = 1024, repeats: int = 3) -> float:
+    """FLOP/s of an n x n fp32 matmul on this CPU (2 n^3 per product): the sim device's peak compute."""
+    if n <= 0 or repeats <= 0:
+        raise ValueError(f"n and repeats must be positive, got {n} and {repeats}")
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    return 2 * n**3 / _median_seconds(lambda: torch.mm(a, b, out=out), repeats)
+
+
+def disk_bandwidth(directory, nbytes: int = 64 * MiB) -> dict:
+    """{"read", "write"} bytes/s of one durable write and one read of `nbytes` through the Swapper (O_DIRECT)
+    in `directory`: chapter 6's measurement, condensed."""
+    from .nvme_tune import measure
+    from .pinned import aligned_empty
+
+    data = aligned_empty(nbytes, pin=False)
+    data.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))  # not zeros: some drives compress
+    result = measure(directory, data, aligned_empty(nbytes, pin=False))
+    return {"read": result["read_GBps"] * 1e9, "write": result["write_GBps"] * 1e9}

@@ -28,7 +28,7 @@ GB = 1000**3
 
 PRECISIONS = ("fp32", "mixed_fp16", "mixed_bf16", "bf16")
 OPTIMIZERS = ("adam", "adamw", "sgd_momentum")
-PLACEMENTS = ("device", "optimizer_cpu", "optimizer_nvme", "params_cpu")
+PLACEMENTS = ("device", "optimizer_cpu", "optimizer_nvme", "params_cpu", "params_nvme")
 TIERS = ("device", "host", "nvme")
 
 # Bytes per value of the weights the model computes with, per precision.
@@ -92,7 +92,8 @@ class Footprint:
         return "\n".join(lines)
 
 
-def footprint(precision: str = "mixed_bf16", optimizer: str = "adam", placement: str = "device") -> Footprint:
+def footprint(precision: str = "mixed_bf16", optimizer: str = "adam", placement: str = "device",
+              delay: bool = False) -> Footprint:
     """Bytes per parameter of weights, grads, master weights and optimizer state, per tier.
 
     precision: "fp32" (everything fp32), "mixed_fp16"/"mixed_bf16" (16-bit weights and grads, fp32
@@ -100,13 +101,23 @@ def footprint(precision: str = "mixed_bf16", optimizer: str = "adam", placement:
     optimizer: "adam"/"adamw" (two states) or "sgd_momentum" (one).
     placement:
         "device"         everything on the GPU;
-        "optimizer_cpu"  ZeRO-Offload: the GPU keeps the 16-bit weights only; gradients, master
-                         weights and state live in host memory, and the update runs on the CPU;
+        "optimizer_cpu"  ZeRO-Offload: the GPU keeps the weights it computes with; gradients, master
+                         weights and state live in pinned host memory, and the update runs on the CPU;
         "optimizer_nvme" ZeRO-Infinity for the optimizer: as above, but master weights and state on
                          NVMe (host memory holds the gradients that stream through);
         "params_cpu"     the weights live in host memory too and are streamed to the GPU layer by
                          layer: nothing is resident per parameter on the device (a working set of a
-                         few layers is, which this per-parameter count leaves out).
+                         few layers is, which this per-parameter count leaves out);
+        "params_nvme"    ZeRO-Infinity in full: weights and optimizer state on NVMe, streamed through
+                         host memory; the host keeps only the gradients.
+    delay: the one-step delayed update (chapter 4): new weights wait in upload buffers of their own.
+
+    Offloaded placements count what minioffload's engine (`OffloadAdam`) allocates, not the textbook
+    minimum: gradients arrive in a pinned staging buffer in the model's dtype and are summed into an fp32
+    buffer ("grads": 4 B, "staging": 2 or 4 B), so a bf16 model holds 4 + 2 + 12 = 18 B/param of pinned host
+    memory and an fp32 one 20, where ZeRO's count (2 B of gradient) gives 14 and 16. On NVMe the swapper
+    keeps the previous version of every file until the new one is durable ("previous": 2x the state).
+    `engine_bytes` adds what is not per parameter (working sets, device scratch).
 
     The "master" part is the copy of the weights the optimizer updates. It is absent when the model
     already computes in the optimizer's dtype on the same tier (fp32 or bf16 on the device).
@@ -114,20 +125,72 @@ def footprint(precision: str = "mixed_bf16", optimizer: str = "adam", placement:
     _require(precision, PRECISIONS, "precision")
     _require(optimizer, OPTIMIZERS, "optimizer")
     _require(placement, PLACEMENTS, "placement")
+    if delay and placement != "optimizer_cpu":
+        raise ValueError(f"the delayed update runs with placement 'optimizer_cpu' only (the engine refuses it with "
+                         f"the NVMe tier), got placement {placement!r}")
 
     model_b, master_b = _MODEL_BYTES[precision], _MASTER_BYTES[precision]
-    weights_tier = "host" if placement == "params_cpu" else "device"
-    grads_tier = "device" if placement == "device" else "host"
-    state_tier = {"device": "device", "optimizer_cpu": "host",
-                  "optimizer_nvme": "nvme", "params_cpu": "host"}[placement]
+    weights_tier = {"params_cpu": "host", "params_nvme": "nvme"}.get(placement, "device")
+    state_tier = {"device": "device", "optimizer_cpu": "host", "optimizer_nvme": "nvme", "params_cpu": "host",
+                  "params_nvme": "nvme"}[placement]
 
-    parts = [Part("weights", weights_tier, model_b), Part("grads", grads_tier, model_b)]
-    needs_master = model_b != master_b or state_tier != weights_tier
+    parts = [Part("weights", weights_tier, model_b)]
+    if placement == "device":
+        parts.append(Part("grads", "device", model_b))
+    else:  # the engine's gradient path: staging in the model's dtype, summed into an fp32 buffer
+        parts += [Part("grads", "host", 4), Part("staging", "host", model_b)]
+    needs_master = model_b != master_b or state_tier != weights_tier or placement == "params_nvme"
     if needs_master:
         parts.append(Part("master", state_tier, master_b))
     parts += [Part(name, state_tier, master_b) for name in _STATE_NAMES[optimizer]]
     assert len(_STATE_NAMES[optimizer]) == _STATE_COUNT[optimizer]
+    if state_tier == "nvme":  # two slot files per key: the last durable version stays until the next commits
+        parts.append(Part("previous", "nvme", master_b * (1 + _STATE_COUNT[optimizer])))
+    if delay:
+        parts.append(Part("upload", "host", model_b))
     return Footprint(precision, optimizer, placement, tuple(parts))
+
+
+def pack_subgroups(numels: list[int], subgroup_numel: int) -> list[int]:
+    """Sizes of the subgroups `OffloadAdam` packs parameters of `numels` elements into (in order; a new
+    subgroup starts when the next parameter would take the current one past `subgroup_numel`)."""
+    sizes: list[int] = []
+    for numel in numels:
+        if not sizes or (sizes[-1] and sizes[-1] + numel > subgroup_numel):
+            sizes.append(0)
+        sizes[-1] += numel
+    return sizes
+
+
+def engine_bytes(numels: list[int], precision: str = "mixed_bf16", subgroup_numel: int = 1 << 22,
+                 delay: bool = False, gpu_fraction: float | None = None, stride: int | None = None,
+                 nvme: bool = False, nvme_buffers: int = 3) -> dict[str, int]:
+    """Bytes `OffloadAdam` holds on each tier for parameters of `numels` elements, exactly: the per-parameter
+    parts of `footprint` plus what is per subgroup (the NVMe tier's working sets, the hybrid path's scratch).
+
+    device: the weights, and for hybrid updates the resident subgroups' state and gradient (16 B/param) and two
+    scratch sets of the largest streamed subgroup (state and gradient, 16 B/param each). host: pinned memory.
+    nvme: the swapper's files (two versions of each subgroup's state, padded to 4 KiB). Refuses nothing the
+    engine accepts; the kept small parameters of `min_offload_numel` are not modelled.
+    """
+    from .hybrid import device_subgroups
+
+    _require(precision, PRECISIONS, "precision")
+    model_b = _MODEL_BYTES[precision]
+    sizes = pack_subgroups(list(numels), subgroup_numel)
+    resident, streamed = device_subgroups(len(sizes), gpu_fraction, stride)
+    on_cpu = [n for i, n in enumerate(sizes) if i not in set(resident) | set(streamed)]
+    state = 3 * 4  # fp32 master, exp_avg, exp_avg_sq
+    device = sum(numels) * model_b + 16 * sum(sizes[i] for i in resident)
+    device += 2 * 16 * max((sizes[i] for i in streamed), default=0)
+    host = state * sum(sizes[i] for i in streamed)  # streamed subgroups keep their state on the host
+    per_cpu_param = 4 + model_b + (model_b if delay else 0) + (0 if nvme else state)
+    host += per_cpu_param * sum(on_cpu)
+    disk = 0
+    if nvme and on_cpu:
+        host += nvme_buffers * state * max(on_cpu)
+        disk = sum(2 * 3 * (-(-4 * n // 4096) * 4096) for n in on_cpu)
+    return {"device": device, "host": host, "nvme": disk}
 
 
 def max_params_that_fit(capacity_bytes: float, fp: Footprint, tier: str = "device") -> float:

@@ -14,14 +14,16 @@ from minioffload.memory import GB, GiB, Ledger, OutOfMemoryError, footprint
 EXPECTED = {
     ("mixed_bf16", "adam", "device"): (16, 0, 0),  # 2 + 2 + 4 + 4 + 4, ZeRO's figure
     ("mixed_fp16", "adamw", "device"): (16, 0, 0),
-    ("mixed_bf16", "adam", "optimizer_cpu"): (2, 14, 0),  # ZeRO-Offload: 2 B/param on the GPU
-    ("mixed_bf16", "adam", "optimizer_nvme"): (2, 2, 12),
-    ("mixed_bf16", "adam", "params_cpu"): (0, 16, 0),
+    # offloaded: the engine's gradient path, 4 B fp32 accumulation + staging in the model's dtype
+    ("mixed_bf16", "adam", "optimizer_cpu"): (2, 18, 0),  # ZeRO-Offload: 2 B/param on the GPU
+    ("mixed_bf16", "adam", "optimizer_nvme"): (2, 6, 24),  # state and its previous version on disk
+    ("mixed_bf16", "adam", "params_cpu"): (0, 20, 0),
+    ("mixed_bf16", "adam", "params_nvme"): (0, 6, 26),  # ZeRO-Infinity: weights too on disk
     ("fp32", "adam", "device"): (16, 0, 0),  # 4 + 4 + 4 + 4, no master copy
-    ("fp32", "adam", "optimizer_cpu"): (4, 16, 0),  # the host needs its own fp32 copy to update
+    ("fp32", "adam", "optimizer_cpu"): (4, 20, 0),  # the host needs its own fp32 copy to update
     ("fp32", "sgd_momentum", "device"): (12, 0, 0),
     ("bf16", "adam", "device"): (8, 0, 0),
-    ("bf16", "sgd_momentum", "optimizer_cpu"): (2, 6, 0),
+    ("bf16", "sgd_momentum", "optimizer_cpu"): (2, 10, 0),
     ("mixed_fp16", "sgd_momentum", "device"): (12, 0, 0),
 }
 
@@ -41,13 +43,25 @@ def test_mixed_precision_adam_is_sixteen_bytes_in_zero_order():
     assert "total       device        16" in fp.table()
 
 
-def test_offloading_never_changes_a_setups_total_by_more_than_one_master_copy():
+def test_offloading_adds_one_master_copy_and_the_engines_gradient_path():
     for precision in memory.PRECISIONS:
         for optimizer in memory.OPTIMIZERS:
             on_device = footprint(precision, optimizer, "device").per_param()
-            for placement in memory.PLACEMENTS:
-                extra = footprint(precision, optimizer, placement).per_param() - on_device
-                assert extra in (0, memory._MASTER_BYTES[precision]), (precision, optimizer, placement)
+            model_b, master_b = memory._MODEL_BYTES[precision], memory._MASTER_BYTES[precision]
+            # fp32 gradient buffer + staging replace the device's gradient; a master copy when none was needed
+            grads = 4  # an fp32 buffer and a staging buffer (model_b) replace the device gradient (model_b)
+            fp = footprint(precision, optimizer, "optimizer_cpu")
+            assert fp.per_param() - on_device in (grads, grads + master_b), (precision, optimizer)
+            assert footprint(precision, optimizer, "optimizer_cpu", delay=True).per_param() == fp.per_param() + model_b
+
+
+def test_the_delayed_update_is_refused_where_the_engine_refuses_it():
+    with pytest.raises(ValueError, match="optimizer_cpu"):
+        footprint("mixed_bf16", "adam", "optimizer_nvme", delay=True)
+
+
+def test_a_70b_model_fits_one_80gb_gpu_with_512gb_of_host_memory_and_nvme():
+    assert memory.first_placement_that_fits(70e9, 80 * GB, host_bytes=512 * GB) == "params_nvme"
 
 
 def test_footprint_matches_what_torch_adam_allocates():

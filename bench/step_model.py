@@ -1,0 +1,165 @@
+"""The step model against the simulated device: predicted vs measured step time for every configuration the
+chapters run.
+
+A small GPT trains on the sim device (2 GB/s link unless a row says otherwise). Each configuration is timed
+for a few steps, interleaved with the others, medians kept. The prediction uses `profiles.probe()` (this
+machine's measured figures) and one calibration: the model FLOP/s utilisation (mfu) of forward + backward,
+measured here on a "compute only" contender (forward and backward, no optimizer) in the same run. Everything
+else (link, CPU Adam, host passes, disk, the overlaps) comes from the profile and the model's rules.
+
+Headline (bench/results/step_model.json), over the offloaded configurations (the calibration row excluded):
+    median_relative_error   median of |predicted - measured| / measured   (target <= 0.15)
+    worst_relative_error    the largest                                     (target <= 0.30)
+
+    python bench/step_model.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import interleaved, stats, write  # noqa: E402
+
+from minioffload import models, profiles, stepmodel  # noqa: E402
+from minioffload.device import Link, device  # noqa: E402
+from minioffload.nvme import Swapper  # noqa: E402
+from minioffload.offload import OffloadAdam  # noqa: E402
+
+PRESET, BATCH, BLOCK = "medium", 2, 64
+# name -> (options of OffloadAdam, or None for compute only / "device" for torch's AdamW on the device;
+#          link GB/s, model dtype)
+SETUPS = {
+    "compute only": (None, 2.0, torch.float32),
+    "on device (torch AdamW)": ("device", 2.0, torch.float32),
+    "offload, 4M subgroups": ({}, 2.0, torch.float32),
+    "offload, 1M subgroups": ({"subgroup_numel": 1 << 20}, 2.0, torch.float32),
+    "offload, 256K subgroups": ({"subgroup_numel": 1 << 18}, 2.0, torch.float32),
+    "offload, clipping": ({"max_grad_norm": 1.0}, 2.0, torch.float32),
+    "offload, bf16 model": ({}, 2.0, torch.bfloat16),
+    "offload, 8 GB/s link": ({}, 8.0, torch.float32),
+    "delayed update": ({"delay_updates_after": 0}, 2.0, torch.float32),
+    "hybrid, stride 3": ({"stride": 3, "subgroup_numel": 1 << 20}, 2.0, torch.float32),
+    "hybrid, gpu_fraction 0.5": ({"gpu_fraction": 0.5, "subgroup_numel": 1 << 20}, 2.0, torch.float32),
+    "NVMe tier": ({"nvme": True, "subgroup_numel": 1 << 20}, 2.0, torch.float32),
+}
+
+
+def config_of(options, model_mfu: float) -> stepmodel.StepConfig:
+    if options == "device":
+        return stepmodel.StepConfig(offload=False, mfu=model_mfu)
+    return stepmodel.StepConfig(
+        subgroup_numel=options.get("subgroup_numel", 1 << 22), delay="delay_updates_after" in options,
+        gpu_fraction=options.get("gpu_fraction"), stride=options.get("stride"), nvme=bool(options.get("nvme")),
+        clip=options.get("max_grad_norm") is not None, mfu=model_mfu)
+
+
+def make_run(options, link_gbps: float, dtype: torch.dtype, scratch: Path):
+    """One training step as a function, its device and its workload."""
+    text = models.load_text()
+    tokenizer = models.CharTokenizer(text)
+    data = torch.tensor(tokenizer.encode(text))
+    torch.manual_seed(0)
+    config = models.GPTConfig.preset(PRESET, tokenizer.vocab_size, block_size=BLOCK)
+    link = Link(bandwidth=link_gbps * 1e9)
+    dev = device("sim", h2d=link, d2h=link)
+    model = models.GPT(config).to(dtype)
+    for p in model.parameters():
+        dev.adopt(p, "param")
+    opt = None
+    if options == "device":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    elif options is not None:
+        options = dict(options)
+        swapper = None
+        if options.pop("nvme", False):
+            (scratch / "swap").mkdir()
+            swapper = Swapper(scratch / "swap")
+        opt = OffloadAdam(model.parameters(), dev, lr=1e-3, swapper=swapper, **options)
+    generator = torch.Generator().manual_seed(0)
+
+    def one_step() -> dict:
+        x, y = models.batches(data, BLOCK, BATCH, generator)
+        dev.trace.clear()
+        dev.synchronize()
+        start = time.perf_counter()
+        with dev.trace.span("compute", "forward"):
+            _, loss = model(x, y)
+        with dev.trace.span("compute", "backward"):
+            loss.backward()
+        if opt is not None:
+            with dev.trace.span("compute" if options == "device" else "host", "step"):
+                opt.step()
+            opt.zero_grad()
+        else:
+            model.zero_grad()
+        dev.synchronize()
+        return {"wall_s": time.perf_counter() - start,
+                **{f"{lane}_s": dev.trace.busy(lane) for lane in ("compute", "cpu", "d2h", "h2d")}}
+
+    work = stepmodel.Workload.of(model, BATCH * BLOCK, "fp32" if dtype == torch.float32 else "mixed_bf16")
+    return one_step, dev, work
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (about a minute)")
+    args = parser.parse_args()
+    rounds = 3 if args.quick else 7
+    hw = profiles.probe()
+    runs, devices, works = {}, [], {}
+    with tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parents[1] / ".cache") as scratch:
+        for name, (options, gbps, dtype) in SETUPS.items():
+            runs[name], dev, works[name] = make_run(options, gbps, dtype, Path(scratch))
+            devices.append(dev)
+        results = interleaved(runs, rounds, warmup=2)
+        for dev in devices:
+            dev.close()
+
+    measured = {name: statistics.median(m["wall_s"] for m in rows) for name, rows in results.items()}
+    work = works["compute only"]
+    mfu = 6 * work.num_params * work.tokens / (hw.peak_flops(work.precision) * measured["compute only"])
+    rows = []
+    print(f"step model vs the sim device: {work.num_params / 1e6:.1f}M-param GPT, {work.tokens} tokens per step, "
+          f"{rounds} interleaved rounds (medians); calibrated mfu {mfu:.3f} of {hw.peak_flops_fp32 / 1e9:.0f} GFLOP/s")
+    print(f"{'configuration':<28}{'predicted ms':>13}{'measured ms':>12}{'ratio':>7}  bound")
+    for name, (options, gbps, _dtype) in SETUPS.items():
+        profile = hw if gbps == 2.0 else hw.replace(link_h2d=gbps * 1e9, link_d2h=gbps * 1e9,
+                                                    link_theoretical=gbps * 1e9)
+        if options is None:
+            pred = None
+        else:
+            pred = stepmodel.predict(works[name], profile, config_of(options, mfu))
+        walls = [m["wall_s"] for m in results[name]]
+        row = {"configuration": name, "wall_s": stats(walls), "measured_s": measured[name],
+               "lanes_measured_s": {k: statistics.median(m[k] for m in results[name]) for k in results[name][0]}}
+        if pred is not None:
+            row.update(stepmodel.compare(pred, measured[name]))
+            row.update({"bound": pred.bound, "busy_predicted_s": pred.busy, "exposed_predicted_s": pred.exposed})
+        rows.append(row)
+        shown = "(calibration)" if pred is None else f"{pred.step_s * 1e3:>13.1f}"
+        ratio = "" if pred is None else f"{row['ratio']:.2f}"
+        print(f"{name:<28}{shown:>13}{measured[name] * 1e3:>12.1f}{ratio:>7}  {'' if pred is None else pred.bound}")
+    errors = [row["relative_error"] for row in rows if "relative_error" in row]
+    headline = {"median_relative_error": statistics.median(errors), "worst_relative_error": max(errors),
+                "worst_configuration": max((r for r in rows if "relative_error" in r),
+                                           key=lambda r: r["relative_error"])["configuration"],
+                "configurations": len(errors), "calibrated_mfu": mfu}
+    print("headline:", ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in headline.items()))
+    config = {"preset": PRESET, "batch_size": BATCH, "block_size": BLOCK, "rounds": rounds, "quick": args.quick,
+              "profile": {r["figure"]: r["value"] for r in hw.table()}}
+    print(f"wrote {write('step_model', rows, headline, config)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""The hardware table: ONE place for every hardware figure the course quotes, each with its source.
+
+    hw = profiles.preset("h100-sxm")        # a cited profile of one GPU and the host share it has
+    hw.link_h2d / 1e9                       # achieved pinned host-to-device GB/s
+    hw.cite("link_h2d")                     # where that figure comes from
+    here = profiles.probe()                 # this machine: the simulated device plus measured host figures
+
+A `Hardware` profile describes ONE device and the part of a host it can count on: in an 8-GPU server,
+one GPU, its own PCIe link, an eighth of the host's memory and an even share of its cores, memory
+bandwidth and drives. Units are SI: bytes, bytes/s (1 GB/s = 1e9 B/s), FLOP/s, params/s, seconds.
+Memory sizes are bytes as the vendor sells them (decimal GB for GPUs, binary GiB for DIMMs).
+
+Link figures come in two kinds: `link_theoretical` is the signalling rate of the slot (PCIe Gen4 x16:
+16 GT/s x 16 lanes x 128/130 / 8 = 31.5 GB/s per direction); `link_h2d`/`link_d2h` are what a pinned copy
+achieves, which is the figure a model of the step must use.
+
+Figures marked "estimate" in their source were not measured by us or stated by a vendor in that form:
+they are derived (a fraction of a theoretical peak, or per-GPU shares of a server) and say how.
+
+What this is not: a measurement tool (hardware.py measures this machine; `probe()` collects its results
+into a profile), nor a model of the step (stepmodel.py uses these figures).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass, field
+
+from .memory import GB, GiB
+
+# Figures every profile has, with their units (for messages and tables).
+FIGURES = {
+    "device_memory": "B", "device_bandwidth": "B/s", "peak_flops_bf16": "FLOP/s", "peak_flops_fp32": "FLOP/s",
+    "device_adam_rate": "params/s", "link_theoretical": "B/s", "link_h2d": "B/s", "link_d2h": "B/s",
+    "link_latency": "s", "host_memory": "B", "host_bandwidth": "B/s", "cpu_adam_rate": "params/s",
+    "nvme_read": "B/s", "nvme_write": "B/s", "cores": "",
+}
+
+ADAM_BYTES_PER_PARAM = 28  # fp32 AdamW: reads param, grad, exp_avg, exp_avg_sq; writes param, exp_avg, exp_avg_sq
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device and its share of a host. Every figure is positive; `sources` cites each one."""
+
+    name: str
+    description: str
+    device_memory: float  # B
+    device_bandwidth: float  # B/s, the device's own memory (HBM)
+    peak_flops_bf16: float  # FLOP/s, dense tensor-core bf16 (fp32 accumulate)
+    peak_flops_fp32: float  # FLOP/s, dense fp32 (no TF32)
+    device_adam_rate: float  # params/s, a fused fp32 AdamW on the device
+    link_theoretical: float  # B/s per direction, the slot's signalling rate
+    link_h2d: float  # B/s, achieved pinned host->device
+    link_d2h: float  # B/s, achieved pinned device->host
+    link_latency: float  # s, the fixed cost of one copy
+    host_memory: float  # B
+    host_bandwidth: float  # B/s, achieved with Adam's access pattern (4 reads, 3 writes), all cores
+    cpu_adam_rate: float  # params/s, a fused fp32 CPU AdamW on all cores
+    nvme_read: float  # B/s
+    nvme_write: float  # B/s
+    cores: int
+    shared_host: bool = False  # the "device" computes on the host's cores and DRAM (the simulated device)
+    sources: dict = field(default_factory=dict, compare=False)  # figure -> where it comes from
+
+    def __post_init__(self) -> None:
+        for name in FIGURES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"hardware profile {self.name!r}: {name} must be a positive finite number "
+                                 f"({FIGURES[name] or 'a count'}), got {value!r}")
+        missing = [name for name in FIGURES if name not in self.sources]
+        if missing:
+            raise ValueError(f"hardware profile {self.name!r} cites no source for {', '.join(missing)}: every "
+                             "figure needs one (a datasheet, a measurement, or 'estimate: how it was derived')")
+
+    def peak_flops(self, precision: str) -> float:
+        """Dense peak for the dtype the model computes in: fp32 for "fp32", bf16/fp16 tensor cores otherwise."""
+        return self.peak_flops_fp32 if precision == "fp32" else self.peak_flops_bf16
+
+    def cite(self, figure: str) -> str:
+        if figure not in FIGURES:
+            raise ValueError(f"unknown figure {figure!r}; a profile has {', '.join(FIGURES)}")
+        return self.sources[figure]
+
+    def replace(self, **changes) -> Hardware:
+        """A copy with some figures changed (e.g. a faster link); `sources` of changed figures say so."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(f"unknown figure(s) {sorted(unknown)}; a profile has {', '.join(FIGURES)}")
+        sources = {**self.sources, **{k: "set by hand" for k in changes if k in FIGURES}}
+        return dataclasses.replace(self, **{"sources": sources, **changes})
+
+    def table(self) -> list[dict]:
+        """One row per figure: name, value, unit, source (for a chapter's table)."""
+        return [{"figure": name, "value": getattr(self, name), "unit": unit, "source": self.sources[name]}
+                for name, unit in FIGURES.items()]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sources, named once. A preset cites them by key.
+
+_SRC = {
+    "a100": "NVIDIA A100 datasheet (80GB PCIe: HBM2e 1,935 GB/s; BF16 tensor 312 TFLOPS dense; FP32 19.5 TFLOPS)",
+    "h100": "NVIDIA H100 datasheet (SXM5 80GB: HBM3 3.35 TB/s; BF16 tensor 989 TFLOPS dense; FP32 67 TFLOPS)",
+    "h200": "NVIDIA H200 datasheet (SXM 141GB: HBM3e 4.8 TB/s; BF16 and FP32 as H100 SXM)",
+    "gh200": "NVIDIA GH200 datasheet (H100 96GB HBM3 4 TB/s; NVLink-C2C 900 GB/s total = 450 GB/s each way; "
+             "Grace: 72 Arm Neoverse V2 cores, up to 480 GB LPDDR5X at up to 512 GB/s)",
+    "rtx4090": "NVIDIA Ada whitepaper, RTX 4090 (24 GB GDDR6X 1,008 GB/s; BF16 tensor with FP32 accumulate "
+               "165.2 TFLOPS dense; FP32 82.6 TFLOPS; PCIe Gen4 x16)",
+    "rtx4060l": "estimate: RTX 4060 Laptop GPU (8 GB GDDR6, 128-bit at 16 Gbps = 256 GB/s; 24 SMs; PCIe Gen4 x8); "
+                "tensor and FP32 peaks scaled from the RTX 4090's by SM count x clock (24 x ~2.0 GHz vs 128 x "
+                "2.52 GHz); depends on the laptop's power limit",
+    "pcie4": "PCIe 4.0 x16: 16 GT/s x 16 lanes x 128/130 encoding = 31.5 GB/s per direction",
+    "pcie4x8": "PCIe 4.0 x8: 15.75 GB/s per direction",
+    "pcie5": "PCIe 5.0 x16: 32 GT/s x 16 lanes x 128/130 encoding = 63 GB/s per direction",
+    "pcie4_achieved": "estimate: ~80% of PCIe 4.0 x16 theoretical (CUDA bandwidthTest, pinned, typically 24-26 GB/s)",
+    "pcie4x8_achieved": "estimate: ~80% of PCIe 4.0 x8 theoretical",
+    "pcie5_achieved": "estimate: ~80% of PCIe 5.0 x16 theoretical (pinned copies typically 50-55 GB/s)",
+    "c2c_achieved": "estimate: ~85% of NVLink-C2C's 450 GB/s per direction",
+    "latency": "estimate: ~10 us per copy (launch and DMA set-up), typical of cudaMemcpyAsync",
+    "device_adam": "estimate: a fused fp32 AdamW moves 28 B/param; 80% of device_bandwidth / 28",
+    "cpu_adam": "estimate: a fused CPU AdamW at 80% of host_bandwidth / 28 (chapter 3 reaches 0.8-0.95 of the "
+                "roofline on our machine)",
+    "epyc_7763": "estimate: one AMD EPYC 7763 socket (64 cores, 8 x DDR4-3200 = 204.8 GB/s theoretical), ~70% "
+                 "achieved with a STREAM-like pattern, shared by the node's 4 GPUs",
+    "spr_8480": "estimate: a DGX H100/H200 node's 2 x Xeon Platinum 8480C (56 cores and 8 x DDR5-4800 = 307 GB/s "
+                "theoretical each), ~70% achieved, shared by 8 GPUs: a quarter socket per GPU",
+    "grace": "estimate: Grace's LPDDR5X, ~80% of 512 GB/s achieved with a STREAM-like pattern",
+    "ryzen_7950x": "estimate: a 16-core desktop (Ryzen 9 7950X) with 2 x DDR5-5600 = 89.6 GB/s theoretical, ~70% "
+                   "achieved",
+    "laptop_host": "estimate: an 8-core laptop with 2 x DDR5-5200 = 83.2 GB/s theoretical, ~65% achieved",
+    "nvme_dc_gen4": "Samsung PM1733 datasheet (PCIe Gen4 U.2: 7.0 GB/s sequential read, 3.8 GB/s write); "
+                    "one drive per GPU",
+    "nvme_990pro": "Samsung 990 PRO datasheet (PCIe Gen4 M.2: 7.45 GB/s sequential read, 6.9 GB/s write)",
+    "nvme_laptop": "estimate: a mid-range PCIe Gen4 laptop drive, 5 GB/s read, 4 GB/s write sequential",
+    "dgx_a100": "NVIDIA DGX A100 datasheet-like node: 1 TB of host memory for 4 GPUs here (a quarter: 256 GiB)",
+    "dgx_h100": "NVIDIA DGX H100 datasheet: 2 TB host memory, 8 GPUs (a quarter socket, 256 GiB, per GPU)",
+    "gh200_host": "NVIDIA GH200 datasheet: 480 GB LPDDR5X, 72 cores (the whole Grace CPU per GPU)",
+    "workstation": "estimate: a workstation with 128 GiB of host memory and 16 cores",
+    "laptop": "estimate: a laptop with 32 GiB of host memory and 8 cores",
+}
+
+
+def _share(value: float, gpus_per_socket: float) -> float:
+    return value / gpus_per_socket
+
+
+def _preset(name: str, description: str, *, device_memory, device_bandwidth, bf16, fp32, link_theoretical,
+            link_achieved, host_memory, host_bandwidth, nvme_read, nvme_write, cores, src: dict) -> Hardware:
+    """A preset from its figures; the derived ones (device and CPU Adam rates) computed and cited here."""
+    sources = {figure: _SRC[key] for figure, key in src.items()}
+    sources.setdefault("link_latency", _SRC["latency"])
+    sources.setdefault("device_adam_rate", _SRC["device_adam"])
+    sources.setdefault("cpu_adam_rate", _SRC["cpu_adam"])
+    sources.setdefault("link_d2h", sources["link_h2d"])
+    return Hardware(
+        name=name, description=description, device_memory=device_memory, device_bandwidth=device_bandwidth,
+        peak_flops_bf16=bf16, peak_flops_fp32=fp32,
+        device_adam_rate=0.8 * device_bandwidth / ADAM_BYTES_PER_PARAM,
+        link_theoretical=link_theoretical, link_h2d=link_achieved, link_d2h=link_achieved, link_latency=10e-6,
+        host_memory=host_memory, host_bandwidth=host_bandwidth,
+        cpu_adam_rate=0.8 * host_bandwidth / ADAM_BYTES_PER_PARAM,
+        nvme_read=nvme_read, nvme_write=nvme_write, cores=cores, sources=sources)
+
+
+def _presets() -> dict[str, Hardware]:
+    gpu = ("device_memory", "device_bandwidth", "peak_flops_bf16", "peak_flops_fp32")
+    out = [
+        _preset("a100-pcie", "A100 80GB PCIe in a PCIe Gen4 node (4 GPUs on one EPYC 7763 socket)",
+                device_memory=80 * GB, device_bandwidth=1935 * GB, bf16=312e12, fp32=19.5e12,
+                link_theoretical=31.5 * GB, link_achieved=25 * GB, host_memory=256 * GiB,
+                host_bandwidth=_share(0.7 * 204.8 * GB, 4), nvme_read=7.0 * GB, nvme_write=3.8 * GB, cores=16,
+                src={**dict.fromkeys(gpu, "a100"), "link_theoretical": "pcie4", "link_h2d": "pcie4_achieved",
+                     "host_memory": "dgx_a100", "host_bandwidth": "epyc_7763", "cores": "epyc_7763",
+                     "nvme_read": "nvme_dc_gen4", "nvme_write": "nvme_dc_gen4"}),
+        _preset("h100-sxm", "H100 SXM5 80GB in a DGX H100-like node (PCIe Gen5 host link; 8 GPUs, 2 sockets)",
+                device_memory=80 * GB, device_bandwidth=3350 * GB, bf16=989e12, fp32=67e12,
+                link_theoretical=63 * GB, link_achieved=50 * GB, host_memory=256 * GiB,
+                host_bandwidth=_share(0.7 * 307.2 * GB, 4), nvme_read=7.0 * GB, nvme_write=3.8 * GB, cores=14,
+                src={**dict.fromkeys(gpu, "h100"), "link_theoretical": "pcie5", "link_h2d": "pcie5_achieved",
+                     "host_memory": "dgx_h100", "host_bandwidth": "spr_8480", "cores": "spr_8480",
+                     "nvme_read": "nvme_dc_gen4", "nvme_write": "nvme_dc_gen4"}),
+        _preset("h200", "H200 SXM 141GB in a DGX H200-like node (PCIe Gen5 host link; 8 GPUs, 2 sockets)",
+                device_memory=141 * GB, device_bandwidth=4800 * GB, bf16=989e12, fp32=67e12,
+                link_theoretical=63 * GB, link_achieved=50 * GB, host_memory=256 * GiB,
+                host_bandwidth=_share(0.7 * 307.2 * GB, 4), nvme_read=7.0 * GB, nvme_write=3.8 * GB, cores=14,
+                src={**dict.fromkeys(gpu, "h200"), "link_theoretical": "pcie5", "link_h2d": "pcie5_achieved",
+                     "host_memory": "dgx_h100", "host_bandwidth": "spr_8480", "cores": "spr_8480",
+                     "nvme_read": "nvme_dc_gen4", "nvme_write": "nvme_dc_gen4"}),
+        _preset("gh200", "GH200 Grace Hopper superchip (H100 96GB, NVLink-C2C to a 72-core Grace)",
+                device_memory=96 * GB, device_bandwidth=4000 * GB, bf16=989e12, fp32=67e12,
+                link_theoretical=450 * GB, link_achieved=0.85 * 450 * GB, host_memory=480 * GB,
+                host_bandwidth=0.8 * 512 * GB, nvme_read=7.0 * GB, nvme_write=3.8 * GB, cores=72,
+                src={**dict.fromkeys(gpu, "gh200"), "link_theoretical": "gh200", "link_h2d": "c2c_achieved",
+                     "host_memory": "gh200_host", "host_bandwidth": "grace", "cores": "gh200_host",
+                     "nvme_read": "nvme_dc_gen4", "nvme_write": "nvme_dc_gen4"}),
+        _preset("rtx4090", "RTX 4090 24GB workstation (PCIe Gen4 x16, 16-core desktop CPU)",
+                device_memory=24 * GB, device_bandwidth=1008 * GB, bf16=165.2e12, fp32=82.6e12,
+                link_theoretical=31.5 * GB, link_achieved=25 * GB, host_memory=128 * GiB,
+                host_bandwidth=0.7 * 89.6 * GB, nvme_read=7.45 * GB, nvme_write=6.9 * GB, cores=16,
+                src={**dict.fromkeys(gpu, "rtx4090"), "link_theoretical": "pcie4", "link_h2d": "pcie4_achieved",
+                     "host_memory": "workstation", "host_bandwidth": "ryzen_7950x", "cores": "ryzen_7950x",
+                     "nvme_read": "nvme_990pro", "nvme_write": "nvme_990pro"}),
+        _preset("laptop", "a gaming laptop: RTX 4060 Laptop GPU 8GB on PCIe Gen4 x8, 8 cores, 32 GiB",
+                device_memory=8 * GB, device_bandwidth=256 * GB, bf16=165.2e12 * 24 * 2.0 / (128 * 2.52),
+                fp32=82.6e12 * 24 * 2.0 / (128 * 2.52), link_theoretical=15.75 * GB, link_achieved=12.5 * GB,
+                host_memory=32 * GiB, host_bandwidth=0.65 * 83.2 * GB, nvme_read=5 * GB, nvme_write=4 * GB, cores=8,
+                src={**dict.fromkeys(gpu, "rtx4060l"), "link_theoretical": "pcie4x8", "link_h2d": "pcie4x8_achieved",
+                     "host_memory": "laptop", "host_bandwidth": "laptop_host", "cores": "laptop",
+                     "nvme_read": "nvme_laptop", "nvme_write": "nvme_laptop"}),
+    ]
+    return {hw.name: hw for hw in out}
+
+
+PRESETS: dict[str, Hardware] = _presets()
+
+
+def preset(name: str) -> Hardware:
+    """A cited profile by name; an unknown name lists the valid ones (and `probe()` for this machine)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown hardware preset {name!r}; choose one of {', '.join(PRESETS)} "
+                         "(or profiles.probe() for this machine)")
+    return PRESETS[name]
+
+
+# ---------------------------------------------------------------------------------------------------
+# This machine
+
+
+@functools.lru_cache(maxsize=8)
+def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quick: bool = True) -> Hardware:
+    """This machine as a profile: the simulated device (its link model, its memory, its modelled device
+    Adam) on the host's measured figures: Adam-pattern memory bandwidth, a fused CPU Adam's rate, matmul
+    FLOP/s, and the drive under `nvme_dir` (a temporary directory when None). Cached per arguments: the
+    chapters share one measurement per kernel. `link_bandwidth` defaults to the sim device's default link.
+
+    On the sim the device IS the host (`shared_host=True`): its compute, memory and bandwidth are the
+    host's, and work the two would do in parallel on a GPU server competes here.
+    """
+    import inspect
+    import os
+    import tempfile
+
+    import torch
+
+    from . import hardware
+    from .device_sim import SLOW_LINK, SimDevice
+
+    link = link_bandwidth or SLOW_LINK.bandwidth
+    size = 20_000_000 if quick else 50_000_000
+    host_bw = hardware.adam_roofline(size, repeats=3)
+    cpu_adam = hardware.cpu_adam_rate(size, repeats=3)
+    flops = hardware.matmul_flops(repeats=3)
+    with tempfile.TemporaryDirectory(dir=nvme_dir) as scratch:
+        disk = hardware.disk_bandwidth(scratch, (64 if quick else 256) << 20)
+    defaults = inspect.signature(SimDevice).parameters
+    memory_bytes, adam_rate = defaults["memory_bytes"].default, defaults["adam_rate"].default
+    measured = f"measured on this machine by profiles.probe() ({os.cpu_count()} cores, torch {torch.__version__})"
+    simulated = "the simulated device's model (SimDevice defaults)"
+    sources = {figure: measured for figure in FIGURES}
+    sources.update({"device_memory": simulated, "device_adam_rate": simulated, "link_latency": simulated,
+                    "link_h2d": "the simulated device's Link model" if link_bandwidth is None else "set by the caller",
+                    "link_theoretical": "the simulated device's Link model (no slot: theoretical = modelled)",
+                    "device_bandwidth": "the host's (the sim device computes in host memory): " + measured,
+                    "peak_flops_bf16": "fp32 matmul of this CPU (the sim computes in fp32): " + measured,
+                    "host_memory": "os.sysconf (physical memory)"})
+    sources["link_d2h"] = sources["link_h2d"]
+    return Hardware(
+        name="this machine (sim)", description=f"simulated device on this {os.cpu_count()}-core machine",
+        device_memory=memory_bytes, device_bandwidth=host_bw, peak_flops_bf16=flops, peak_flops_fp32=flops,
+        device_adam_rate=adam_rate, link_theoretical=link, link_h2d=link, link_d2h=link,
+        link_latency=SLOW_LINK.latency, host_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        host_bandwidth=host_bw, cpu_adam_rate=cpu_adam, nvme_read=disk["read"], nvme_write=disk["write"],
+        cores=os.cpu_count() or 1, shared_host=True, sources=sources)

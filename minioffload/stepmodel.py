@@ -1,0 +1,364 @@
+"""A model of one training step: predict its timeline, its length, the resource that bounds it, and what is exposed.
+
+    work = Workload(num_params=7e9, tokens=8 * 4096, num_tensors=291)
+    pred = predict(work, profiles.preset("h100-sxm"), StepConfig(delay=True))
+    pred.step_s, pred.bound, pred.exposed      # seconds; "cpu"; {"cpu": 2.1, "h2d": 0.0, ...}
+    viz.timeline(pred.trace)                    # the same lanes a measured run records
+
+The step is built as the runtime runs it: a list of operations, each on a lane ("compute", "d2h", "h2d",
+"cpu", "nvme_read", "nvme_write"), with a duration from the hardware profile and the operations it waits
+for. A small scheduler places each operation at the earliest time its inputs are ready and its resource is
+free. Durations, per operation:
+
+    forward  2 N T / (peak x mfu)          backward  4 N T / (peak x mfu)  (+ 2 N T for a recomputed forward)
+    a copy   latency + bytes / link        CPU Adam  n / cpu_adam_rate   other host passes  bytes / host_bandwidth
+    disk     bytes / nvme_read or write    device Adam  n / device_adam_rate
+
+Which resources are one: each lane is its own resource, except that reads and writes share one drive, and
+on a `shared_host` profile (the simulated device) the device's compute and the CPU's work run on the same
+cores, so they queue behind each other instead of overlapping. Several steps are simulated and the last one
+is reported, so a delayed update that spills into the next step is counted as it would be in a long run.
+
+What this is not: a simulator of kernels or of an allocator. It knows the runtime's configurations
+(on-device, optimizer offload, delayed update, hybrid split, NVMe tier) and the byte counts each moves; it
+ignores Python overheads, caches, and everything the profile does not name.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from .hybrid import STATE_BYTES_PER_PARAM, device_subgroups
+from .memory import PRECISIONS
+from .profiles import Hardware
+from .trace import Trace, union_length
+
+# Bytes per parameter of the host passes the engine makes besides Adam (offload.py):
+ACCUMULATE_BYTES = 8  # grad (fp32) += staging: read 4 + write 4, plus the staging's own bytes (model dtype)
+CLIP_BYTES = 44  # global norm: grad.double() (4 + 8), square (8 + 8), sum (8); then grad *= coef (4 + 4)
+ZERO_BYTES = 4  # grad.zero_() after the update
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer step trains: `num_params` over `tokens` tokens (batch x sequence x accumulation),
+    in `precision`; `num_tensors` parameter tensors (each is one copy each way, and pays a copy's latency)."""
+
+    num_params: int
+    tokens: int
+    precision: str = "mixed_bf16"
+    num_tensors: int = 1
+    recompute: bool = False  # full activation checkpointing: one more forward during backward
+
+    def __post_init__(self) -> None:
+        for name in ("num_params", "tokens", "num_tensors"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not value >= 1:
+                raise ValueError(f"{name} must be at least 1, got {value!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+
+    @property
+    def model_bytes(self) -> int:
+        """Bytes per value of the weights and gradients the device computes with."""
+        return 4 if self.precision == "fp32" else 2
+
+    @classmethod
+    def of(cls, model, tokens: int, precision: str | None = None, recompute: bool = False) -> Workload:
+        """The workload of a torch model: its trainable parameters and tensors, its dtype unless given."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        if precision is None:
+            precision = "fp32" if params[0].dtype.itemsize == 4 else "mixed_bf16"
+        return cls(sum(p.numel() for p in params), tokens, precision, len(params), recompute)
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """The runtime configuration to predict. `offload=False`: everything on the device (torch's AdamW there).
+    Otherwise OffloadAdam with the options of the same names; `nvme`: its NVMe tier; `clip`: max_grad_norm set."""
+
+    offload: bool = True
+    subgroup_numel: int = 1 << 22
+    delay: bool = False
+    gpu_fraction: float | None = None
+    stride: int | None = None
+    nvme: bool = False
+    clip: bool = False
+    mfu: float = 0.4  # model FLOP/s utilisation of forward and backward
+
+    def __post_init__(self) -> None:
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"mfu must be in (0, 1], got {self.mfu!r}")
+        if self.subgroup_numel < 1:
+            raise ValueError(f"subgroup_numel must be at least 1, got {self.subgroup_numel!r}")
+        hybrid = self.gpu_fraction is not None or self.stride is not None
+        if not self.offload and (self.delay or hybrid or self.nvme):
+            raise ValueError("delay, gpu_fraction/stride and nvme are options of the offloaded optimizer; "
+                             "set offload=True or drop them")
+        if self.delay and (hybrid or self.nvme) or (hybrid and self.nvme):
+            raise ValueError("the runtime combines none of delay, a hybrid split (gpu_fraction/stride) and nvme; "
+                             "choose one")
+        device_subgroups(1, self.gpu_fraction, self.stride)  # range checks, with the engine's messages
+
+
+@dataclass
+class _Op:
+    lane: str
+    name: str
+    seconds: float
+    deps: list[int]
+    nbytes: int = 0
+    start: float = math.nan
+    end: float = math.nan
+
+
+@dataclass
+class _Plan:
+    """Operations in issue order; `stream` chains give in-order queues (each op waits for the previous one)."""
+
+    ops: list[_Op] = field(default_factory=list)
+    last_in_stream: dict[str, int] = field(default_factory=dict)
+
+    def add(self, lane: str, name: str, seconds: float, deps=(), nbytes: int = 0, stream: str | None = None) -> int:
+        deps = [d for d in deps if d is not None]
+        if stream is not None and stream in self.last_in_stream:
+            deps.append(self.last_in_stream[stream])
+        self.ops.append(_Op(lane, name, max(0.0, seconds), deps, int(nbytes)))
+        index = len(self.ops) - 1
+        if stream is not None:
+            self.last_in_stream[stream] = index
+        return index
+
+    def mark(self, deps) -> int:
+        """A zero-length point that waits for `deps` (a host wait)."""
+        return self.add("", "mark", 0.0, deps)
+
+
+def _resource(lane: str, hw: Hardware) -> str:
+    if lane in ("nvme_read", "nvme_write"):
+        return "nvme"  # one drive: reads and writes share it
+    if hw.shared_host and lane in ("compute", "cpu"):
+        return "host"
+    return lane
+
+
+def _schedule(plan: _Plan, hw: Hardware) -> None:
+    """Place every op at the earliest time its deps are done and its resource is free (ready ops first,
+    ties in issue order), like stream workers that take a free engine as soon as their input is there."""
+    remaining = [len(op.deps) for op in plan.ops]
+    users: list[list[int]] = [[] for _ in plan.ops]
+    for i, op in enumerate(plan.ops):
+        for d in op.deps:
+            users[d].append(i)
+    free: dict[str, float] = {}
+    ready = [(0.0, i) for i, op in enumerate(plan.ops) if not op.deps]
+    heapq.heapify(ready)
+    while ready:
+        at, i = heapq.heappop(ready)
+        op = plan.ops[i]
+        resource = _resource(op.lane, hw) if op.lane else None
+        start = max(at, free.get(resource, 0.0)) if resource else at
+        if resource and start > at:  # the resource is busy: come back when it is free
+            heapq.heappush(ready, (start, i))
+            continue
+        op.start, op.end = start, start + op.seconds
+        if resource:
+            free[resource] = op.end
+        for u in users[i]:
+            remaining[u] -= 1
+            if not remaining[u]:
+                heapq.heappush(ready, (max(plan.ops[d].end for d in plan.ops[u].deps), u))
+    if any(math.isnan(op.end) for op in plan.ops):
+        raise RuntimeError("the step model's plan has a cycle; this is a bug in stepmodel.py")
+
+
+def _subgroups(work: Workload, numel: int) -> list[tuple[int, int]]:
+    """(params, tensors) per subgroup: parameters packed in order into subgroups of about `numel`, tensors of
+    equal size (the model knows counts, not shapes)."""
+    per_tensor = work.num_params / work.num_tensors
+    per_group = max(1, min(work.num_tensors, int(numel // per_tensor) or 1))
+    out, left = [], work.num_tensors
+    while left > 0:
+        tensors = min(per_group, left)
+        out.append((round(tensors * per_tensor), tensors))
+        left -= tensors
+    return out
+
+
+class _Builder:
+    """The operations of one step of each configuration, in the runtime's order."""
+
+    def __init__(self, work: Workload, hw: Hardware, config: StepConfig):
+        self.work, self.hw, self.config, self.plan = work, hw, config, _Plan()
+        flops = hw.peak_flops(work.precision) * config.mfu
+        n, t = work.num_params, work.tokens
+        self.forward_s = 2 * n * t / flops
+        self.backward_s = (4 + 2 * work.recompute) * n * t / flops
+        self.job = None  # delayed update: the background update's last op
+
+    def copy(self, direction: str, nbytes: float, copies: int, name: str, deps, stream: str) -> int:
+        link = self.hw.link_h2d if direction == "h2d" else self.hw.link_d2h
+        return self.plan.add(direction, name, copies * self.hw.link_latency + nbytes / link, deps, nbytes, stream)
+
+    def host(self, name: str, bytes_per_param: float, params: float, deps, stream: str = "host") -> int:
+        return self.plan.add("cpu", name, params * bytes_per_param / self.hw.host_bandwidth, deps, stream=stream)
+
+    def forward_backward(self, after: int | None) -> tuple[int, list[int]]:
+        """Forward, then backward in pieces with each piece's gradient copy (offloaded CPU subgroups only)."""
+        plan, work, mb = self.plan, self.work, self.work.model_bytes
+        forward = plan.add("compute", "forward", self.forward_s, [after], stream="compute")
+        if not self.config.offload:
+            return plan.add("compute", "backward", self.backward_s, [forward], stream="compute"), []
+        groups = _subgroups(work, self.config.subgroup_numel)
+        on_cpu = self.cpu_groups(groups)
+        copies, last = [], forward
+        for index in reversed(range(len(groups))):  # backward produces the last layers' gradients first
+            params, tensors = groups[index]
+            last = plan.add("compute", "backward", self.backward_s * params / work.num_params, [last],
+                            stream="compute")
+            if index in on_cpu:
+                copies.append(self.copy("d2h", params * mb, tensors, "d2h grad", [last], "d2h"))
+        return last, copies
+
+    def cpu_groups(self, groups) -> set[int]:
+        resident, streamed = device_subgroups(len(groups), self.config.gpu_fraction, self.config.stride)
+        return set(range(len(groups))) - set(resident) - set(streamed)
+
+    def step(self, after: int | None) -> int:
+        """One step after `after` (the previous step's end); returns the op at which the next forward may start."""
+        config, work, plan, hw, mb = self.config, self.work, self.plan, self.hw, self.work.model_bytes
+        backward, grad_copies = self.forward_backward(after)
+        if not config.offload:
+            return plan.add("compute", "device adam", work.num_params / hw.device_adam_rate, [backward],
+                            stream="compute")
+        groups = _subgroups(work, config.subgroup_numel)
+        on_cpu = sorted(self.cpu_groups(groups))
+        cpu_params = sum(groups[i][0] for i in on_cpu)
+        entry = plan.mark([backward, *grad_copies])  # step(): waits for every gradient copy
+        uploads = []
+        if config.delay and self.job is not None:  # send the last update's weights first
+            entry = plan.mark([entry, self.job])
+            tensors = sum(groups[i][1] for i in on_cpu)
+            uploads.append(self.copy("h2d", cpu_params * mb, tensors, "h2d weights", [entry], "h2d"))
+        ready = self.host("accumulate grads", ACCUMULATE_BYTES + mb, cpu_params, [entry])
+        if config.clip:
+            ready = self.host("clip", CLIP_BYTES, cpu_params, [ready])
+        device_done = self.device_path(groups, ready, backward)
+        last_cpu = ready
+        for i in on_cpu:
+            params, tensors = groups[i]
+            read = write = None
+            if config.nvme:
+                read = plan.add("nvme_read", "nvme read", params * STATE_BYTES_PER_PARAM / hw.nvme_read, [ready],
+                                params * STATE_BYTES_PER_PARAM, stream="nvme_read")
+            stream = "update" if config.delay else "host"
+            last_cpu = plan.add("cpu", f"adam {params / 1e6:.2f}M", params / hw.cpu_adam_rate, [last_cpu, read],
+                                stream=stream)
+            rounding = (4 + mb) if mb != 4 else 0  # fp32 master -> 16-bit staging, for the upload
+            last_cpu = self.host("round + zero grad", rounding + ZERO_BYTES, params, [last_cpu], stream)
+            if config.nvme:
+                write = plan.add("nvme_write", "nvme write", params * STATE_BYTES_PER_PARAM / hw.nvme_write,
+                                 [last_cpu], params * STATE_BYTES_PER_PARAM, stream="nvme_write")
+            if not config.delay:
+                uploads.append(self.copy("h2d", params * mb, tensors, "h2d weights", [last_cpu], "h2d"))
+            del write
+        if config.delay:
+            self.job = last_cpu  # runs on beside the next forward and backward
+            return plan.mark([ready, *uploads])
+        return plan.mark([last_cpu, *uploads, device_done])
+
+    def device_path(self, groups, ready: int, backward: int) -> int | None:
+        """Chapter 5's hybrid update: resident subgroups updated in place; streamed ones copied in, updated,
+        copied out, over two scratch sets."""
+        config, plan, hw = self.config, self.plan, self.hw
+        resident, streamed = device_subgroups(len(groups), config.gpu_fraction, config.stride)
+        done, freed, last = None, [], None
+        for i in sorted([*resident, *streamed]):
+            params, _ = groups[i]
+            deps = [ready, backward]
+            if i in streamed:
+                state = params * STATE_BYTES_PER_PARAM
+                scratch_free = freed[-2] if len(freed) >= 2 else None
+                arrived = self.copy("h2d", state, 3, "h2d state", [ready, scratch_free], "state h2d")
+                deps.append(arrived)
+            last = plan.add("compute", f"device adam {params / 1e6:.2f}M", params / hw.device_adam_rate, deps,
+                            stream="device adam")
+            if i in streamed:
+                freed.append(self.copy("d2h", params * STATE_BYTES_PER_PARAM, 3, "d2h state", [last], "state d2h"))
+        if last is None:
+            return None
+        done = plan.mark([last, *freed])
+        return done
+
+
+@dataclass
+class Prediction:
+    """A predicted step: its length, its trace (the last of the simulated steps, starting at 0), the resource
+    with the most busy time (`bound`), and per resource the busy time not hidden behind compute (`exposed`)."""
+
+    step_s: float
+    trace: Trace
+    busy: dict[str, float]
+    exposed: dict[str, float]
+    bound: str
+
+    def summary(self) -> str:
+        busy = ", ".join(f"{lane} {seconds * 1e3:.1f}" for lane, seconds in self.busy.items())
+        return f"step {self.step_s * 1e3:.1f} ms, bound by {self.bound} (busy ms: {busy})"
+
+
+def predict(work: Workload, hw: Hardware, config: StepConfig | None = None, steps: int = 3) -> Prediction:
+    """The predicted steady-state step of `work` on `hw` with `config` (default: optimizer offload)."""
+    config = config or StepConfig()
+    if steps < 2:
+        raise ValueError(f"steps must be at least 2 (the last one is reported in steady state), got {steps}")
+    builder = _Builder(work, hw, config)
+    ends, after = [], None
+    for _ in range(steps):
+        first = len(builder.plan.ops)
+        after = builder.step(after)
+        ends.append((first, after))
+    _schedule(builder.plan, hw)
+    ops = builder.plan.ops
+    start = ops[ends[-2][1]].end
+    end = ops[ends[-1][1]].end
+    trace = Trace(origin=0.0)
+    for op in ops:  # the last step's window: what runs between the previous step's end and this one's
+        if op.lane and op.end > start and op.start < end and op.seconds > 0:
+            trace.record(op.lane, op.name, max(op.start, start) - start, min(op.end, end) - start, op.nbytes)
+    return _prediction(trace, end - start)
+
+
+def _prediction(trace: Trace, step_s: float) -> Prediction:
+    lanes = sorted({s.lane for s in trace.spans})
+    busy = {lane: trace.busy(lane) for lane in lanes}
+    compute = [(s.start, s.end) for s in trace.spans if s.lane == "compute"]
+    exposed = {}
+    for lane in lanes:
+        if lane == "compute":
+            continue
+        spans = [(s.start, s.end) for s in trace.spans if s.lane == lane]
+        exposed[lane] = union_length(spans) - _overlap(spans, compute)
+    bound = max(busy, key=busy.get) if busy else "nothing"
+    return Prediction(step_s, trace, busy, exposed, bound)
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of time covered by both interval sets."""
+    return union_length(a) + union_length(b) - union_length(a + b)
+
+
+def compare(predicted: Prediction, measured_step_s: float, measured: Trace | None = None) -> dict:
+    """Predicted beside measured: the step (and each lane's busy time when a measured trace is given), with
+    ratios predicted / measured."""
+    if not measured_step_s > 0:
+        raise ValueError(f"measured_step_s must be positive, got {measured_step_s!r}")
+    row = {"predicted_s": predicted.step_s, "measured_s": measured_step_s,
+           "ratio": predicted.step_s / measured_step_s,
+           "relative_error": abs(predicted.step_s - measured_step_s) / measured_step_s}
+    if measured is not None:
+        row["lanes"] = {lane: {"predicted_s": seconds, "measured_s": measured.busy(lane)}
+                        for lane, seconds in predicted.busy.items()}
+    return row

@@ -1,0 +1,73 @@
+"""The calculator and the engine agree: the bytes `memory.engine_bytes` predicts per tier are the bytes a real
+OffloadAdam allocates, for every precision and option."""
+
+import pytest
+import torch
+
+from minioffload import memory
+from minioffload.device import device
+from minioffload.nvme import Swapper
+from minioffload.offload import OffloadAdam
+
+SHAPES = [(48, 40), (40,), (64, 48), (48,), (40, 64), (40,), (300,), (7, 9)]  # uneven, so packing matters
+OPTIONS = {"plain": {}, "delayed": {"delay_updates_after": 0}, "static split": {"gpu_fraction": 0.5},
+           "streamed split": {"stride": 2}, "nvme": {"nvme": True}}
+
+
+def host_bytes(opt: OffloadAdam) -> int:
+    """Pinned host bytes the optimizer holds: every buffer of every subgroup and of the NVMe working sets, each
+    storage counted once (device-held buffers excluded)."""
+    tensors = [t for sub in opt.subgroups for t in sub.buffers.values()]
+    if opt.nvme is not None:
+        tensors += [t for working_set in opt.nvme.sets for t in working_set.values()]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                if not opt.dev.is_device(t)}
+    return sum(storages.values())
+
+
+def disk_bytes(directory) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file() and "index" not in path.name)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mixed_bf16"])
+@pytest.mark.parametrize("option", OPTIONS)
+def test_engine_allocates_exactly_what_the_calculator_says(precision, option, tmp_path):
+    torch.manual_seed(0)
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    params = [torch.nn.Parameter(torch.randn(shape).to(dtype)) for shape in SHAPES]
+    options = dict(OPTIONS[option])
+    nvme = options.pop("nvme", False)
+    with device("sim") as dev:
+        for p in params:
+            dev.adopt(p, "param")
+        swapper = Swapper(tmp_path) if nvme else None
+        opt = OffloadAdam(params, dev, subgroup_numel=4000, swapper=swapper, **options)
+        # one step, so the swapper has written both versions of every file
+        sum((p.float() * 0.5).sum() for p in params).backward()
+        opt.step()
+        opt.flush()
+        sum((p.float() * 0.5).sum() for p in params).backward()
+        opt.step()
+        opt.flush()
+        dev.synchronize()
+        predicted = memory.engine_bytes([p.numel() for p in params], precision, 4000,
+                                        delay="delay_updates_after" in options, gpu_fraction=options.get("gpu_fraction"),
+                                        stride=options.get("stride"), nvme=nvme)
+        assert len(opt.subgroups) > 2
+        assert host_bytes(opt) == predicted["host"]
+        # device: the weights (adopted) and whatever the hybrid path allocated; gradients are freed by now
+        assert dev.ledger.used("device") == predicted["device"]
+        if nvme:
+            swapper.close()
+            assert disk_bytes(tmp_path) == predicted["nvme"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mixed_bf16"])
+def test_engine_bytes_per_param_is_the_footprints_for_a_large_model(precision):
+    numels = [1 << 20] * 64
+    fp = memory.footprint(precision, "adam", "optimizer_cpu")
+    got = memory.engine_bytes(numels, precision, 1 << 22)
+    assert got["host"] == fp.bytes(sum(numels), "host")
+    assert got["device"] == fp.bytes(sum(numels), "device")
+    delayed = memory.engine_bytes(numels, precision, 1 << 22, delay=True)
+    assert delayed["host"] == memory.footprint(precision, "adam", "optimizer_cpu", delay=True).bytes(sum(numels), "host")

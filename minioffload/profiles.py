@@ -68,7 +68,8 @@ class Hardware:
     def __post_init__(self) -> None:
         for name in FIGURES:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"hardware profile {self.name!r}: {name} must be a positive finite number "
                                  f"({FIGURES[name] or 'a count'}), got {value!r}")
         missing = [name for name in FIGURES if name not in self.sources]

@@ -50,9 +50,9 @@ def test_engine_allocates_exactly_what_the_calculator_says(precision, option, tm
         opt.step()
         opt.flush()
         dev.synchronize()
-        predicted = memory.engine_bytes([p.numel() for p in params], precision, 4000,
-                                        delay="delay_updates_after" in options, gpu_fraction=options.get("gpu_fraction"),
-                                        stride=options.get("stride"), nvme=nvme)
+        predicted = memory.engine_bytes(
+            [p.numel() for p in params], precision, 4000, delay="delay_updates_after" in options,
+            gpu_fraction=options.get("gpu_fraction"), stride=options.get("stride"), nvme=nvme)
         assert len(opt.subgroups) > 2
         assert host_bytes(opt) == predicted["host"]
         # device: the weights (adopted) and whatever the hybrid path allocated; gradients are freed by now
@@ -70,4 +70,5 @@ def test_engine_bytes_per_param_is_the_footprints_for_a_large_model(precision):
     assert got["host"] == fp.bytes(sum(numels), "host")
     assert got["device"] == fp.bytes(sum(numels), "device")
     delayed = memory.engine_bytes(numels, precision, 1 << 22, delay=True)
-    assert delayed["host"] == memory.footprint(precision, "adam", "optimizer_cpu", delay=True).bytes(sum(numels), "host")
+    fp_delayed = memory.footprint(precision, "adam", "optimizer_cpu", delay=True)
+    assert delayed["host"] == fp_delayed.bytes(sum(numels), "host")

@@ -138,3 +138,25 @@ def disk_bandwidth(directory, nbytes: int = 64 * MiB) -> dict:
     data.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))  # not zeros: some drives compress
     result = measure(directory, data, aligned_empty(nbytes, pin=False))
     return {"read": result["read_GBps"] * 1e9, "write": result["write_GBps"] * 1e9}
+
+
+def copy_costs(dev, copies: int = 200, numel: int = 1024) -> dict:
+    """The fixed costs of one small host-to-device copy on `dev`: {"issue": host seconds to enqueue it,
+    "latency": seconds each takes on its stream beyond bytes / bandwidth}. Many small copies pay these, not
+    bandwidth: the reason gradients are copied per subgroup or bucket rather than per tensor."""
+    if copies <= 0 or numel <= 0:
+        raise ValueError(f"copies and numel must be positive, got {copies} and {numel}")
+    stream = dev.stream("copy costs")
+    host = dev.host_empty(numel)
+    on_device = dev.empty(numel, name="copy cost probe")
+    dev.copy(on_device, host, stream)  # warm-up
+    dev.synchronize()
+    start = time.perf_counter()
+    for _ in range(copies):
+        dev.copy(on_device, host, stream)
+    issued = time.perf_counter()
+    dev.synchronize()
+    done = time.perf_counter()
+    bandwidth = dev.links["h2d"].bandwidth if hasattr(dev, "links") else float("inf")
+    return {"issue": (issued - start) / copies,
+            "latency": max(0.0, (done - start) / copies - 4 * numel / bandwidth)}

@@ -34,7 +34,7 @@ from .memory import GB, GiB
 FIGURES = {
     "device_memory": "B", "device_bandwidth": "B/s", "peak_flops_bf16": "FLOP/s", "peak_flops_fp32": "FLOP/s",
     "device_adam_rate": "params/s", "link_theoretical": "B/s", "link_h2d": "B/s", "link_d2h": "B/s",
-    "link_latency": "s", "host_memory": "B", "host_bandwidth": "B/s", "cpu_adam_rate": "params/s",
+    "link_latency": "s", "copy_overhead": "s", "host_memory": "B", "host_bandwidth": "B/s", "cpu_adam_rate": "params/s",
     "nvme_read": "B/s", "nvme_write": "B/s", "cores": "",
 }
 
@@ -55,7 +55,8 @@ class Hardware:
     link_theoretical: float  # B/s per direction, the slot's signalling rate
     link_h2d: float  # B/s, achieved pinned host->device
     link_d2h: float  # B/s, achieved pinned device->host
-    link_latency: float  # s, the fixed cost of one copy
+    link_latency: float  # s, the fixed cost of one copy on the link
+    copy_overhead: float  # s, host time to issue one copy (the launch: a driver call, or the sim's queueing)
     host_memory: float  # B
     host_bandwidth: float  # B/s, achieved with Adam's access pattern (4 reads, 3 writes), all cores
     cpu_adam_rate: float  # params/s, a fused fp32 CPU AdamW on all cores
@@ -122,6 +123,7 @@ _SRC = {
     "pcie5_achieved": "estimate: ~80% of PCIe 5.0 x16 theoretical (pinned copies typically 50-55 GB/s)",
     "c2c_achieved": "estimate: ~85% of NVLink-C2C's 450 GB/s per direction",
     "latency": "estimate: ~10 us per copy (launch and DMA set-up), typical of cudaMemcpyAsync",
+    "launch": "estimate: ~5 us of host time to issue one cudaMemcpyAsync",
     "device_adam": "estimate: a fused fp32 AdamW moves 28 B/param; 80% of device_bandwidth / 28",
     "cpu_adam": "estimate: a fused CPU AdamW at 80% of host_bandwidth / 28 (chapter 3 reaches 0.8-0.95 of the "
                 "roofline on our machine)",
@@ -154,6 +156,7 @@ def _preset(name: str, description: str, *, device_memory, device_bandwidth, bf1
     """A preset from its figures; the derived ones (device and CPU Adam rates) computed and cited here."""
     sources = {figure: _SRC[key] for figure, key in src.items()}
     sources.setdefault("link_latency", _SRC["latency"])
+    sources.setdefault("copy_overhead", _SRC["launch"])
     sources.setdefault("device_adam_rate", _SRC["device_adam"])
     sources.setdefault("cpu_adam_rate", _SRC["cpu_adam"])
     sources.setdefault("link_d2h", sources["link_h2d"])
@@ -162,6 +165,7 @@ def _preset(name: str, description: str, *, device_memory, device_bandwidth, bf1
         peak_flops_bf16=bf16, peak_flops_fp32=fp32,
         device_adam_rate=0.8 * device_bandwidth / ADAM_BYTES_PER_PARAM,
         link_theoretical=link_theoretical, link_h2d=link_achieved, link_d2h=link_achieved, link_latency=10e-6,
+        copy_overhead=5e-6,
         host_memory=host_memory, host_bandwidth=host_bandwidth,
         cpu_adam_rate=0.8 * host_bandwidth / ADAM_BYTES_PER_PARAM,
         nvme_read=nvme_read, nvme_write=nvme_write, cores=cores, sources=sources)
@@ -248,6 +252,7 @@ def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quic
     import torch
 
     from . import hardware
+    from .device import Link
     from .device_sim import SLOW_LINK, SimDevice
 
     link = link_bandwidth or SLOW_LINK.bandwidth
@@ -257,12 +262,17 @@ def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quic
     flops = hardware.matmul_flops(repeats=3)
     with tempfile.TemporaryDirectory(dir=nvme_dir) as scratch:
         disk = hardware.disk_bandwidth(scratch, (64 if quick else 256) << 20)
+    with SimDevice(h2d=Link(link), d2h=Link(link)) as dev:
+        per_copy = hardware.copy_costs(dev)
     defaults = inspect.signature(SimDevice).parameters
     memory_bytes, adam_rate = defaults["memory_bytes"].default, defaults["adam_rate"].default
     measured = f"measured on this machine by profiles.probe() ({os.cpu_count()} cores, torch {torch.__version__})"
     simulated = "the simulated device's model (SimDevice defaults)"
     sources = {figure: measured for figure in FIGURES}
-    sources.update({"device_memory": simulated, "device_adam_rate": simulated, "link_latency": simulated,
+    sources.update({"device_memory": simulated, "device_adam_rate": simulated,
+                    "link_latency": "measured: the sim's per-copy time beyond bytes / bandwidth (its 10 us model plus "
+                                    "its stream thread's wake-up), by profiles.probe()",
+                    "copy_overhead": "measured: host time to issue one copy to the sim, by profiles.probe()",
                     "link_h2d": "the simulated device's Link model" if link_bandwidth is None else "set by the caller",
                     "link_theoretical": "the simulated device's Link model (no slot: theoretical = modelled)",
                     "device_bandwidth": "the host's (the sim device computes in host memory): " + measured,
@@ -273,6 +283,6 @@ def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quic
         name="this machine (sim)", description=f"simulated device on this {os.cpu_count()}-core machine",
         device_memory=memory_bytes, device_bandwidth=host_bw, peak_flops_bf16=flops, peak_flops_fp32=flops,
         device_adam_rate=adam_rate, link_theoretical=link, link_h2d=link, link_d2h=link,
-        link_latency=SLOW_LINK.latency, host_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        link_latency=per_copy["latency"], copy_overhead=per_copy["issue"], host_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         host_bandwidth=host_bw, cpu_adam_rate=cpu_adam, nvme_read=disk["read"], nvme_write=disk["write"],
         cores=os.cpu_count() or 1, shared_host=True, sources=sources)

@@ -40,7 +40,7 @@ def test_footprint_figure_stacks_parts_per_tier_and_says_whether_it_fits():
     for bar in ax.patches:
         position = round(bar.get_x() + bar.get_width() / 2)
         heights[position] = heights.get(position, 0) + bar.get_height()
-    assert heights[0] == pytest.approx(14) and heights[1] == pytest.approx(98)  # 2 and 14 B/param
+    assert heights[0] == pytest.approx(14) and heights[1] == pytest.approx(126)  # 2 and 18 B/param
     assert "does NOT fit" in viz.footprint_figure(7e9, gpu_bytes=80 * GB).axes[0].get_title()
 
 

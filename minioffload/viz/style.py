@@ -6,6 +6,9 @@ TIER_COLORS = {"device": "#4C72B0", "host": "#DD8452", "nvme": "#55A868"}
 PART_COLORS = {
     "weights": "#4C72B0",
     "grads": "#8172B3",
+    "staging": "#B4A7D6",
+    "upload": "#9DB4D8",
+    "previous": "#A6D3A8",
     "master": "#C44E52",
     "exp_avg": "#DD8452",
     "exp_avg_sq": "#CCB974",
@@ -17,6 +20,7 @@ PLACEMENT_STYLES = {  # placement -> (colour, line style)
     "optimizer_cpu": ("#DD8452", "--"),
     "optimizer_nvme": ("#55A868", "-."),
     "params_cpu": ("#C44E52", ":"),
+    "params_nvme": ("#8172B3", (0, (1, 3))),
 }
 
 # One colour per lane of `trace.LANE_ORDER`: copies in blue/orange (to and from the device),

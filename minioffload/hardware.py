@@ -106,8 +106,9 @@ def adam_roofline(num_params: int = 50_000_000, repeats: int = 5) -> float:
     return 28 * num_params / seconds
 
 
-def cpu_adam_rate(num_params: int = 20_000_000, repeats: int = 3) -> float:
-    """Params per second of chapter 3's fused fp32 AdamW (`adam.adam_fused`) on the threads numba allows."""
+def cpu_adam_rate(num_params: int = 20_000_000, repeats: int = 3, threads: int | None = None) -> float:
+    """Params per second of chapter 3's fused fp32 AdamW (`adam.adam_fused`) on `threads` threads (default: all
+    numba allows)."""
     from .adam import adam_fused
 
     if num_params <= 0 or repeats <= 0:
@@ -115,7 +116,13 @@ def cpu_adam_rate(num_params: int = 20_000_000, repeats: int = 3) -> float:
     param, grad = np.ones(num_params, np.float32), np.full(num_params, 1e-3, np.float32)
     exp_avg, exp_avg_sq = np.zeros_like(param), np.zeros_like(param)
     steps = iter(range(1, 1 << 30))
-    seconds = _median_seconds(lambda: adam_fused(param, grad, exp_avg, exp_avg_sq, step=next(steps), lr=1e-3), repeats)
+    before = numba.get_num_threads()
+    numba.set_num_threads(threads or numba.config.NUMBA_NUM_THREADS)
+    try:
+        seconds = _median_seconds(lambda: adam_fused(param, grad, exp_avg, exp_avg_sq, step=next(steps), lr=1e-3),
+                                  repeats)
+    finally:
+        numba.set_num_threads(before)
     return num_params / seconds
 
 
@@ -128,35 +135,56 @@ def matmul_flops(n: int = 1024, repeats: int = 3) -> float:
     return 2 * n**3 / _median_seconds(lambda: torch.mm(a, b, out=out), repeats)
 
 
-def disk_bandwidth(directory, nbytes: int = 64 * MiB) -> dict:
-    """{"read", "write"} bytes/s of one durable write and one read of `nbytes` through the Swapper (O_DIRECT)
-    in `directory`: chapter 6's measurement, condensed."""
-    from .nvme_tune import measure
+def disk_bandwidth(directory, nbytes: int = 64 * MiB, keys: int = 12) -> dict:
+    """{"read", "write"} bytes/s through the Swapper (O_DIRECT, checksums, durable commits) in `directory`,
+    as the NVMe tier uses it: `nbytes` split into `keys` files written three at a time, then read back three at
+    a time. Per-file commits (fsync, index) are included: this is the rate the runtime gets, below a
+    drive's sequential figure."""
+    from .nvme import Swapper
     from .pinned import aligned_empty
 
-    data = aligned_empty(nbytes, pin=False)
-    data.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))  # not zeros: some drives compress
-    result = measure(directory, data, aligned_empty(nbytes, pin=False))
-    return {"read": result["read_GBps"] * 1e9, "write": result["write_GBps"] * 1e9}
+    if keys < 1 or nbytes < keys * 4096:
+        raise ValueError(f"need keys >= 1 and at least 4 KiB per key, got nbytes={nbytes}, keys={keys}")
+    per_key = nbytes // keys // 4096 * 4096
+    data = [aligned_empty(per_key, pin=False) for _ in range(keys)]
+    for buffer in data:
+        buffer.copy_(torch.randint(0, 256, (per_key,), dtype=torch.uint8))  # not zeros: some drives compress
+    with Swapper(directory) as swap:
+        start = time.perf_counter()
+        for first in range(0, keys, 3):
+            for future in [swap.write(f"k{i}", data[i]) for i in range(first, min(keys, first + 3))]:
+                future.result()
+        written = time.perf_counter()
+        for first in range(0, keys, 3):
+            for future in [swap.read(f"k{i}", into=data[i]) for i in range(first, min(keys, first + 3))]:
+                future.result()
+        read = time.perf_counter()
+    total = per_key * keys
+    return {"read": total / (read - written), "write": total / (written - start)}
 
 
 def copy_costs(dev, copies: int = 200, numel: int = 1024) -> dict:
-    """The fixed costs of one small host-to-device copy on `dev`: {"issue": host seconds to enqueue it,
-    "latency": seconds each takes on its stream beyond bytes / bandwidth}. Many small copies pay these, not
-    bandwidth: the reason gradients are copied per subgroup or bucket rather than per tensor."""
+    """The fixed costs of one small copy on `dev`, as the offload engine issues it for each gradient: {"issue":
+    host seconds to count the tensor, order the copy after compute, enqueue it and record its event;
+    "latency": seconds each copy takes on its stream beyond bytes / bandwidth}. Many small copies pay these,
+    not bandwidth: the reason to copy per subgroup or bucket rather than per tensor."""
     if copies <= 0 or numel <= 0:
         raise ValueError(f"copies and numel must be positive, got {copies} and {numel}")
     stream = dev.stream("copy costs")
     host = dev.host_empty(numel)
+    sources = [torch.ones(numel) for _ in range(copies)]
     on_device = dev.empty(numel, name="copy cost probe")
     dev.copy(on_device, host, stream)  # warm-up
     dev.synchronize()
     start = time.perf_counter()
-    for _ in range(copies):
-        dev.copy(on_device, host, stream)
+    for source in sources:
+        dev.adopt(source, "copy cost probe")
+        dev.stream_waits_for_compute(stream)
+        dev.copy(host, source, stream)
+        dev.event().record(stream)
     issued = time.perf_counter()
     dev.synchronize()
     done = time.perf_counter()
-    bandwidth = dev.links["h2d"].bandwidth if hasattr(dev, "links") else float("inf")
+    bandwidth = dev.links["d2h"].bandwidth if hasattr(dev, "links") else float("inf")
     return {"issue": (issued - start) / copies,
             "latency": max(0.0, (done - start) / copies - 4 * numel / bandwidth)}

@@ -51,6 +51,7 @@ import torch
 from . import hybrid
 from .adam import adam_fused
 from .device_path import DevicePath
+from .gradnorm import sum_of_squares
 from .nvme_tier import STATE, NvmeTier
 
 
@@ -378,7 +379,7 @@ class OffloadAdam(torch.optim.Optimizer):
         if self.max_grad_norm is None:  # no clipping: skip a pass over every gradient
             self.last_grad_norm = None
             return 1.0 / self.scale
-        squares = sum(float(sub.buffers["grad"].double().square().sum()) for sub in self._on_cpu())
+        squares = sum(sum_of_squares(sub.buffers["grad"]) for sub in self._on_cpu())  # one pass, no temporaries
         squares += sum(float(grad.double().square().sum()) for grad in self._device_grads())
         self.last_grad_norm = math.sqrt(squares) / self.scale
         return min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6)) / self.scale

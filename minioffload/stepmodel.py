@@ -37,7 +37,7 @@ from .trace import Trace, union_length
 
 # Bytes per parameter of the host passes the engine makes besides Adam (offload.py):
 ACCUMULATE_BYTES = 8  # grad (fp32) += staging: read 4 + write 4, plus the staging's own bytes (model dtype)
-CLIP_BYTES = 44  # global norm: grad.double() (4 + 8), square (8 + 8), sum (8); then grad *= coef (4 + 4)
+CLIP_BYTES = 12  # global norm: one read (gradnorm.sum_of_squares, 4); then grad *= coef (4 + 4)
 ZERO_BYTES = 4  # grad.zero_() after the update
 
 
@@ -202,8 +202,10 @@ class _Builder:
         link = self.hw.link_h2d if direction == "h2d" else self.hw.link_d2h
         return self.plan.add(direction, name, copies * self.hw.link_latency + nbytes / link, deps, nbytes, stream)
 
-    def host(self, name: str, bytes_per_param: float, params: float, deps, stream: str = "host") -> int:
-        return self.plan.add("cpu", name, params * bytes_per_param / self.hw.host_bandwidth, deps, stream=stream)
+    def host(self, name: str, bytes_per_param: float, params: float, deps, stream: str = "host", issue: int = 0) -> int:
+        """A pass over host memory, plus the host time to issue `issue` copies after it."""
+        seconds = params * bytes_per_param / self.hw.host_bandwidth + issue * self.hw.copy_overhead
+        return self.plan.add("cpu", name, seconds, deps, stream=stream)
 
     def forward_backward(self, after: int | None) -> tuple[int, list[int]]:
         """Forward, then backward in pieces with each piece's gradient copy (offloaded CPU subgroups only)."""
@@ -216,7 +218,8 @@ class _Builder:
         copies, last = [], forward
         for index in reversed(range(len(groups))):  # backward produces the last layers' gradients first
             params, tensors = groups[index]
-            last = plan.add("compute", "backward", self.backward_s * params / work.num_params, [last],
+            hooks = tensors * self.hw.copy_overhead if index in on_cpu else 0.0  # the host issues each copy
+            last = plan.add("compute", "backward", self.backward_s * params / work.num_params + hooks, [last],
                             stream="compute")
             if index in on_cpu:
                 copies.append(self.copy("d2h", params * mb, tensors, "d2h grad", [last], "d2h"))
@@ -257,7 +260,8 @@ class _Builder:
             last_cpu = plan.add("cpu", f"adam {params / 1e6:.2f}M", params / hw.cpu_adam_rate, [last_cpu, read],
                                 stream=stream)
             rounding = (4 + mb) if mb != 4 else 0  # fp32 master -> 16-bit staging, for the upload
-            last_cpu = self.host("round + zero grad", rounding + ZERO_BYTES, params, [last_cpu], stream)
+            last_cpu = self.host("round + zero grad", rounding + ZERO_BYTES, params, [last_cpu], stream,
+                                 issue=0 if config.delay else tensors)
             if config.nvme:
                 write = plan.add("nvme_write", "nvme write", params * STATE_BYTES_PER_PARAM / hw.nvme_write,
                                  [last_cpu], params * STATE_BYTES_PER_PARAM, stream="nvme_write")
@@ -295,8 +299,9 @@ class _Builder:
 
 @dataclass
 class Prediction:
-    """A predicted step: its length, its trace (the last of the simulated steps, starting at 0), the resource
-    with the most busy time (`bound`), and per resource the busy time not hidden behind compute (`exposed`)."""
+    """A predicted step: its length, its trace (the last of the simulated steps, starting at 0), busy time per
+    lane, the resource with the most busy time (`bound`: a lane, "nvme" for the drive, "host" for the shared
+    cores of the sim), and per lane the busy time not hidden behind compute (`exposed`)."""
 
     step_s: float
     trace: Trace
@@ -312,36 +317,39 @@ class Prediction:
 def predict(work: Workload, hw: Hardware, config: StepConfig | None = None, steps: int = 3) -> Prediction:
     """The predicted steady-state step of `work` on `hw` with `config` (default: optimizer offload)."""
     config = config or StepConfig()
+    if not isinstance(hw, Hardware):
+        raise TypeError(f"hw must be a profiles.Hardware (profiles.preset(name) or profiles.probe()), got "
+                        f"{type(hw).__name__}")
     if steps < 2:
         raise ValueError(f"steps must be at least 2 (the last one is reported in steady state), got {steps}")
     builder = _Builder(work, hw, config)
     ends, after = [], None
     for _ in range(steps):
-        first = len(builder.plan.ops)
         after = builder.step(after)
-        ends.append((first, after))
+        ends.append(after)
     _schedule(builder.plan, hw)
     ops = builder.plan.ops
-    start = ops[ends[-2][1]].end
-    end = ops[ends[-1][1]].end
+    start, end = ops[ends[-2]].end, ops[ends[-1]].end
     trace = Trace(origin=0.0)
     for op in ops:  # the last step's window: what runs between the previous step's end and this one's
         if op.lane and op.end > start and op.start < end and op.seconds > 0:
             trace.record(op.lane, op.name, max(op.start, start) - start, min(op.end, end) - start, op.nbytes)
-    return _prediction(trace, end - start)
+    return _prediction(trace, end - start, hw)
 
 
-def _prediction(trace: Trace, step_s: float) -> Prediction:
-    lanes = sorted({s.lane for s in trace.spans})
+def _prediction(trace: Trace, step_s: float, hw: Hardware) -> Prediction:
+    lanes = sorted({s.lane for s in trace.spans}, key=lambda lane: (lane != "compute", lane))
     busy = {lane: trace.busy(lane) for lane in lanes}
     compute = [(s.start, s.end) for s in trace.spans if s.lane == "compute"]
     exposed = {}
     for lane in lanes:
-        if lane == "compute":
-            continue
-        spans = [(s.start, s.end) for s in trace.spans if s.lane == lane]
-        exposed[lane] = union_length(spans) - _overlap(spans, compute)
-    bound = max(busy, key=busy.get) if busy else "nothing"
+        if lane != "compute":
+            spans = [(s.start, s.end) for s in trace.spans if s.lane == lane]
+            exposed[lane] = union_length(spans) - _overlap(spans, compute)
+    resources: dict[str, list] = {}
+    for span in trace.spans:
+        resources.setdefault(_resource(span.lane, hw), []).append((span.start, span.end))
+    bound = max(resources, key=lambda r: union_length(resources[r])) if resources else "nothing"
     return Prediction(step_s, trace, busy, exposed, bound)
 
 

@@ -151,3 +151,14 @@ def test_as_bits_round_trips_without_copying():
     assert torch.equal(from_bits(bits, "bf16"), t)
     with pytest.raises(ValueError, match="bf16 or fp16"):
         as_bits(torch.randn(3))
+
+
+def test_sum_of_squares_matches_float64_torch_and_refuses_other_tensors():
+    from minioffload.gradnorm import sum_of_squares
+
+    x = torch.randn(1_000_003, generator=torch.Generator().manual_seed(0)) * 3
+    assert sum_of_squares(x) == pytest.approx(float(x.double().square().sum()), rel=1e-12)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        sum_of_squares(x.double())
+    with pytest.raises(ValueError, match="not contiguous"):
+        sum_of_squares(x[::2])

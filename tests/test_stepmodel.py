@@ -1,0 +1,146 @@
+"""The step model's composition rules on hand-made hardware: steps bound by compute, the link, the CPU, the disk;
+overlaps the runtime has (delayed update, hybrid split) and the shared host of the sim."""
+
+import dataclasses
+
+import pytest
+
+from minioffload import profiles, stepmodel
+from minioffload.stepmodel import StepConfig, Workload
+
+N, T = 1_000_000, 1000  # 6 N T = 6e9 FLOP per step
+
+
+def machine(**changes) -> profiles.Hardware:
+    """Round numbers: 1e11 FLOP/s at mfu 1 (forward 20 ms, backward 40 ms), links 1 GB/s, host 100 GB/s, CPU Adam
+    1e9 params/s (1 ms for N), disk 1 GB/s each way; no latency or launch cost unless asked."""
+    figures = dict(device_memory=1e10, device_bandwidth=1e12, peak_flops_bf16=1e11, peak_flops_fp32=1e11,
+                   device_adam_rate=1e10, link_theoretical=1e9, link_h2d=1e9, link_d2h=1e9, link_latency=0.0,
+                   copy_overhead=0.0, host_memory=1e11, host_bandwidth=1e11, cpu_adam_rate=1e9, nvme_read=1e9,
+                   nvme_write=1e9, cores=8)
+    figures.update(changes)
+    zero_ok = {k: max(v, 1e-30) for k, v in figures.items()}  # latency 0 is "none": the profile wants > 0
+    return profiles.Hardware(name="test", description="hand-made", sources=dict.fromkeys(profiles.FIGURES, "test"),
+                             **zero_ok)
+
+
+def step(hw, **config):
+    return stepmodel.predict(Workload(N, T, "fp32", num_tensors=1), hw, StepConfig(mfu=1.0, **config))
+
+
+def test_on_device_step_is_forward_backward_and_device_adam():
+    pred = step(machine(), offload=False)
+    assert pred.step_s == pytest.approx(0.060 + N / 1e10)
+    assert pred.bound == "compute" and not pred.exposed
+
+
+def test_compute_bound_offload_exposes_only_what_must_follow_backward():
+    pred = step(machine(link_h2d=1e12, link_d2h=1e12, cpu_adam_rate=1e12, host_bandwidth=1e13))
+    assert pred.bound == "compute"
+    assert pred.step_s == pytest.approx(0.060, rel=1e-3)
+
+
+def test_link_bound_step_adds_both_copies_in_series_with_one_subgroup():
+    # one subgroup and one tensor: the gradient leaves after backward, the weights return after the update
+    pred = step(machine(link_h2d=1e8, link_d2h=1e8))  # 4 MB each way: 40 ms each
+    host = N * (stepmodel.ACCUMULATE_BYTES + 4 + stepmodel.ZERO_BYTES) / 1e11
+    assert pred.step_s == pytest.approx(0.060 + 0.040 + host + N / 1e9 + 0.040)
+    assert pred.exposed["d2h"] == pytest.approx(0.040) and pred.exposed["h2d"] == pytest.approx(0.040)
+
+
+def test_many_subgroups_hide_the_upload_behind_the_update():
+    hw = machine(link_h2d=1e8, link_d2h=1e8)
+    work = Workload(N, T, "fp32", num_tensors=100)
+    one = stepmodel.predict(work, hw, StepConfig(mfu=1.0, subgroup_numel=N))
+    many = stepmodel.predict(work, hw, StepConfig(mfu=1.0, subgroup_numel=N // 10))
+    assert many.step_s < one.step_s
+    # gradients of later subgroups leave during the backward of earlier layers
+    assert many.exposed["d2h"] < one.exposed["d2h"]
+
+
+def test_cpu_bound_delayed_update_takes_the_updates_time_per_step():
+    hw = machine(cpu_adam_rate=1e7)  # the update: 100 ms, longer than forward + backward
+    sync, delayed = step(hw), step(hw, delay=True)
+    assert sync.bound == delayed.bound == "cpu"
+    assert sync.step_s == pytest.approx(0.060 + 0.004 + 0.100 + 0.004, rel=0.02)  # fwd+bwd, d2h, Adam, h2d
+    assert delayed.step_s == pytest.approx(0.100 + 0.004, rel=0.05)  # the update (and the weights' upload) per step
+    assert delayed.step_s < sync.step_s
+
+
+def test_delayed_update_hides_a_short_update_completely():
+    hw = machine(link_h2d=1e10, link_d2h=1e10, cpu_adam_rate=1e8)  # update 10 ms < forward + backward
+    delayed = step(hw, delay=True)
+    assert delayed.step_s == pytest.approx(0.060, rel=0.05)
+    assert delayed.exposed["cpu"] == pytest.approx(0.0, abs=1e-3)
+
+
+def test_a_shared_host_runs_compute_and_the_cpu_update_one_after_the_other():
+    hw = machine(link_h2d=1e10, link_d2h=1e10, cpu_adam_rate=1e8)
+    shared = dataclasses.replace(hw, shared_host=True)
+    assert step(shared, delay=True).step_s == pytest.approx(step(hw, delay=True).step_s + 0.010, rel=0.05)
+    assert step(shared, delay=True).bound == "host"
+
+
+def test_disk_bound_step_pays_reads_and_writes_on_one_drive():
+    hw = machine(nvme_read=1e8, nvme_write=1e8, link_h2d=1e10, link_d2h=1e10)
+    pred = step(hw, nvme=True)  # 12 MB of state each way: 120 ms read + 120 ms write, one drive
+    assert pred.bound == "nvme"
+    assert pred.busy["nvme_read"] == pytest.approx(0.120) and pred.busy["nvme_write"] == pytest.approx(0.120)
+    # the last write drains during the next forward and backward (the runtime waits for it only when its
+    # working set is needed again): the drive, busy reading then writing, is the step
+    assert pred.step_s == pytest.approx(0.240, rel=0.02)
+
+
+def test_hybrid_split_moves_work_from_the_cpu_to_the_device_path():
+    hw = machine(cpu_adam_rate=1e7, link_h2d=1e10, link_d2h=1e10)
+    work = Workload(N, T, "fp32", num_tensors=30)
+    cpu_only = stepmodel.predict(work, hw, StepConfig(mfu=1.0, subgroup_numel=N // 30))
+    split = stepmodel.predict(work, hw, StepConfig(mfu=1.0, subgroup_numel=N // 30, stride=3))
+    static = stepmodel.predict(work, hw, StepConfig(mfu=1.0, subgroup_numel=N // 30, gpu_fraction=0.5))
+    assert split.busy["cpu"] == pytest.approx(cpu_only.busy["cpu"] * 2 / 3, rel=0.05)
+    assert static.busy["cpu"] == pytest.approx(cpu_only.busy["cpu"] / 2, rel=0.05)
+    assert split.step_s < cpu_only.step_s and static.step_s < split.step_s
+
+
+def test_recompute_adds_a_forward():
+    base = stepmodel.predict(Workload(N, T, "fp32"), machine(), StepConfig(offload=False, mfu=1.0))
+    again = stepmodel.predict(Workload(N, T, "fp32", recompute=True), machine(), StepConfig(offload=False, mfu=1.0))
+    assert again.step_s - base.step_s == pytest.approx(0.020)
+
+
+def test_presets_predict_a_7b_offloaded_step():
+    work = Workload(7_000_000_000, 8 * 4096, num_tensors=291)
+    for name in profiles.PRESETS:
+        pred = stepmodel.predict(work, profiles.preset(name), StepConfig(subgroup_numel=100_000_000))
+        assert pred.step_s > 6 * 7e9 * 8 * 4096 / profiles.preset(name).peak_flops_bf16
+        assert pred.bound in ("compute", "cpu", "d2h", "h2d")
+        assert pred.trace.spans and "compute" in pred.busy
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(delay=True, stride=2), "choose one"),
+    (dict(offload=False, nvme=True), "offload=True"),
+    (dict(mfu=0), "mfu"),
+    (dict(stride=0), "stride"),
+    (dict(gpu_fraction=1.5), "gpu_fraction"),
+])
+def test_bad_configurations_are_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        StepConfig(**bad)
+
+
+def test_bad_workloads_are_refused():
+    with pytest.raises(ValueError, match="num_params"):
+        Workload(0, 10)
+    with pytest.raises(ValueError, match="unknown precision"):
+        Workload(10, 10, "fp8")
+    with pytest.raises(TypeError, match="profiles.Hardware"):
+        stepmodel.predict(Workload(10, 10), "h100-sxm")
+
+
+def test_compare_reports_ratio_and_error():
+    pred = step(machine(), offload=False)
+    row = stepmodel.compare(pred, pred.step_s * 2)
+    assert row["ratio"] == pytest.approx(0.5) and row["relative_error"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="measured_step_s"):
+        stepmodel.compare(pred, 0)

@@ -5,8 +5,12 @@ Commands so far:
                 and whether it fits a GPU (chapter 1's calculator)
     train       train a small GPT with its optimizer state offloaded to the host (or the on-device
                 baseline) and print where the step time goes (minioffload/train.py)
+    hardware    the hardware table: every preset's figures, one preset's figures with their sources, or
+                this machine measured (--probe)
+    step        the step model: a step's predicted time, bound resource and exposed time for a model size,
+                a hardware preset and an offload configuration
 
-Later chapters add `probe` and `plan`.
+Later chapters add `plan`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ def parse_count(text: str) -> float:
 
 
 def footprint_command(args: argparse.Namespace) -> int:
-    fp = memory.footprint(args.precision, args.optimizer, args.placement)
+    fp = memory.footprint(args.precision, args.optimizer, args.placement, delay=args.delay)
     print(f"{args.params / 1e9:.3g}B parameters, {args.precision}, {args.optimizer}, {args.placement}\n")
     print(fp.table())
     print()
@@ -46,6 +50,83 @@ def footprint_command(args: argparse.Namespace) -> int:
                                                   args.optimizer)
         print(f"least offloaded placement that fits: {better or 'none'}")
     return 0
+
+
+def hardware_command(args: argparse.Namespace) -> int:
+    from . import profiles
+
+    if args.probe or args.name:
+        hw = profiles.probe() if args.probe else profiles.preset(args.name)
+        print(f"{hw.name}: {hw.description}\n")
+        for row in hw.table():
+            print(f"{row['figure']:<18}{_si(row['value'], row['unit']):>16}  {row['source']}")
+        return 0
+    print(f"{'preset':<11}{'memory':>9}{'HBM':>11}{'bf16':>12}{'link (theory)':>20}{'host':>11}"
+          f"{'CPU Adam':>13}{'NVMe r/w':>14}")
+    for hw in profiles.PRESETS.values():
+        print(f"{hw.name:<11}{hw.device_memory / memory.GB:>6.0f} GB{hw.device_bandwidth / 1e12:>6.2f} TB/s"
+              f"{hw.peak_flops_bf16 / 1e12:>7.0f} TFLOP/s{hw.link_h2d / 1e9:>6.1f} ({hw.link_theoretical / 1e9:.1f}) GB/s"
+              f"{hw.host_bandwidth / 1e9:>6.0f} GB/s{hw.cpu_adam_rate / 1e9:>6.2f} Gpar/s"
+              f"{hw.nvme_read / 1e9:>6.1f}/{hw.nvme_write / 1e9:.1f} GB/s")
+    print("\nachieved pinned link (theoretical); host: Adam-pattern bandwidth of the GPU's share of the host. "
+          "Sources: hardware NAME")
+    return 0
+
+
+def _si(value: float, unit: str) -> str:
+    if unit == "B":
+        return f"{value / memory.GB:,.1f} GB"
+    if unit == "s":
+        return f"{value * 1e6:,.1f} us"
+    if not unit:
+        return f"{value:g}"
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if value >= scale:
+            return f"{value / scale:,.2f} {prefix}{unit}"
+    return f"{value:,.0f} {unit}"
+
+
+def step_command(args: argparse.Namespace) -> int:
+    from . import profiles, stepmodel
+
+    hw = profiles.probe() if args.hardware == "probe" else profiles.preset(args.hardware)
+    pred = stepmodel.predict(args.work, hw, args.step_config)
+    print(f"{args.params / 1e9:.3g}B parameters, {args.tokens:,} tokens per step, {args.precision}, on {hw.name}")
+    print(f"predicted step {pred.step_s:.3f} s ({args.tokens / pred.step_s:,.0f} tokens/s), bound by {pred.bound}")
+    print(f"{'lane':<12}{'busy s':>10}{'exposed s':>11}")
+    for lane, seconds in pred.busy.items():
+        exposed = pred.exposed.get(lane)
+        print(f"{lane:<12}{seconds:>10.3f}{'' if exposed is None else f'{exposed:.3f}':>11}")
+    if args.trace:
+        pred.trace.save(args.trace)
+        print(f"wrote {args.trace} (open it in ui.perfetto.dev)")
+    return 0
+
+
+def add_step_parser(commands) -> argparse.ArgumentParser:
+    from . import profiles
+
+    st = commands.add_parser("step", help="predict a step's time, bound resource and exposed time",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    st.add_argument("--params", type=parse_count, default=7e9, help="model size, e.g. 7B or 124M")
+    st.add_argument("--tokens", type=int, default=8 * 4096, help="tokens per optimizer step (batch x sequence)")
+    st.add_argument("--hardware", choices=[*profiles.PRESETS, "probe"], default="h100-sxm",
+                    help="a preset of the hardware table, or 'probe' to measure this machine")
+    st.add_argument("--precision", choices=memory.PRECISIONS, default="mixed_bf16")
+    st.add_argument("--tensors", type=int, default=291, help="parameter tensors (one copy each way per tensor)")
+    st.add_argument("--recompute", action="store_true", help="full activation checkpointing (one more forward)")
+    st.add_argument("--offload", action=argparse.BooleanOptionalAction, default=True,
+                    help="optimizer offload; --no-offload: everything on the device")
+    st.add_argument("--subgroup-numel", type=int, default=1 << 26, help="elements per optimizer subgroup")
+    st.add_argument("--delay", action="store_true", help="the one-step delayed update")
+    st.add_argument("--gpu-fraction", type=float, default=None, metavar="F", help="hybrid update, static share")
+    st.add_argument("--stride", type=int, default=None, metavar="K", help="hybrid update, every K-th subgroup")
+    st.add_argument("--nvme", action="store_true", help="optimizer state on NVMe")
+    st.add_argument("--clip", action="store_true", help="gradient clipping (a pass over the gradients)")
+    st.add_argument("--mfu", type=float, default=0.4, help="model FLOP/s utilisation of forward and backward")
+    st.add_argument("--trace", default=None, metavar="FILE", help="save the predicted step as a Perfetto trace")
+    st.set_defaults(run=step_command)
+    return st
 
 
 def parse_grad_norm(text: str) -> float | None:
@@ -120,12 +201,46 @@ def main(argv: list[str] | None = None) -> int:
     fp.add_argument("--precision", choices=memory.PRECISIONS, default="mixed_bf16")
     fp.add_argument("--optimizer", choices=memory.OPTIMIZERS, default="adam")
     fp.add_argument("--placement", choices=memory.PLACEMENTS, default="device")
-    fp.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory in GB as sold (default 80)")
+    fp.add_argument("--gpu-gb", type=float, default=None,
+                    help="GPU memory in GB as sold (default: the --hardware preset's)")
+    fp.add_argument("--hardware", default="h100-sxm", help="hardware preset whose GPU memory to check against")
+    fp.add_argument("--delay", action="store_true", help="count the delayed update's upload buffers")
     fp.set_defaults(run=footprint_command)
+    hw = commands.add_parser("hardware", help="the hardware table: presets with their sources, or this machine")
+    hw.add_argument("name", nargs="?", default=None, help="one preset: every figure with its source")
+    hw.add_argument("--probe", action="store_true", help="measure this machine (about 5 s)")
+    hw.set_defaults(run=hardware_command)
+    st = add_step_parser(commands)
     tr = add_train_parser(commands)
     args = parser.parse_args(argv)
-    if args.command == "footprint" and not args.gpu_gb > 0:
-        parser.error(f"--gpu-gb must be positive, got {args.gpu_gb}")
+    if args.command == "footprint":
+        from . import profiles
+
+        if args.gpu_gb is None:
+            try:
+                args.gpu_gb = profiles.preset(args.hardware).device_memory / memory.GB
+            except ValueError as err:
+                fp.error(str(err))
+        if not args.gpu_gb > 0:
+            fp.error(f"--gpu-gb must be positive, got {args.gpu_gb}")
+        if args.delay and args.placement != "optimizer_cpu":
+            fp.error("--delay counts the delayed update's buffers, which exist with --placement optimizer_cpu only")
+    if args.command == "hardware" and args.name is not None:
+        from . import profiles
+
+        if args.name not in profiles.PRESETS:
+            hw.error(f"unknown hardware preset {args.name!r}; choose one of {', '.join(profiles.PRESETS)}")
+    if args.command == "step":
+        from . import stepmodel
+
+        try:  # checked before anything is measured or printed
+            args.work = stepmodel.Workload(int(args.params), args.tokens, args.precision, args.tensors,
+                                           args.recompute)
+            args.step_config = stepmodel.StepConfig(
+                offload=args.offload, subgroup_numel=args.subgroup_numel, delay=args.delay,
+                gpu_fraction=args.gpu_fraction, stride=args.stride, nvme=args.nvme, clip=args.clip, mfu=args.mfu)
+        except ValueError as err:
+            st.error(str(err))
     if args.command == "train":
         from .train import TrainConfig
 

@@ -286,6 +286,7 @@ def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quic
         name="this machine (sim)", description=f"simulated device on this {os.cpu_count()}-core machine",
         device_memory=memory_bytes, device_bandwidth=host_bw, peak_flops_bf16=flops, peak_flops_fp32=flops,
         device_adam_rate=min(adam_rate, one_thread_adam), link_theoretical=link, link_h2d=link, link_d2h=link,
-        link_latency=per_copy["latency"], copy_overhead=per_copy["issue"], host_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        link_latency=per_copy["latency"], copy_overhead=per_copy["issue"],
+        host_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         host_bandwidth=host_bw, cpu_adam_rate=cpu_adam, nvme_read=disk["read"], nvme_write=disk["write"],
         cores=os.cpu_count() or 1, shared_host=True, sources=sources)

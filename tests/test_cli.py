@@ -66,3 +66,51 @@ def test_train_bad_flags_exit_2_with_a_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_hardware_lists_every_preset_and_cites_one(capsys):
+    from minioffload import profiles
+
+    main(["hardware"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in profiles.PRESETS)
+    main(["hardware", "h200"])
+    out = capsys.readouterr().out
+    assert "4.80 TB/s" in out and "H200 datasheet" in out and "link_theoretical" in out
+
+
+def test_hardware_unknown_preset_is_a_usage_error_listing_the_names(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["hardware", "h300"])
+    assert exit_info.value.code == 2
+    assert "choose one of a100-pcie, h100-sxm" in capsys.readouterr().err
+
+
+def test_step_predicts_and_names_the_bound(capsys, tmp_path):
+    main(["step", "--params", "7B", "--hardware", "h100-sxm", "--trace", str(tmp_path / "t.json")])
+    out = capsys.readouterr().out
+    assert re.search(r"predicted step \d+\.\d+ s .* bound by cpu", out)
+    assert (tmp_path / "t.json").exists()
+    main(["step", "--params", "7B", "--hardware", "h100-sxm", "--delay"])
+    delayed = float(re.search(r"predicted step (\d+\.\d+) s", capsys.readouterr().out)[1])
+    assert delayed < float(re.search(r"predicted step (\d+\.\d+) s", out)[1])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["step", "--stride", "0"], "stride must be an int >= 1"),
+    (["step", "--delay", "--nvme"], "choose one"),
+    (["step", "--mfu", "2"], "mfu must be in"),
+    (["footprint", "--hardware", "h300"], "unknown hardware preset"),
+    (["footprint", "--delay", "--placement", "device"], "--delay counts"),
+])
+def test_step_and_footprint_refuse_bad_options_with_a_usage_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_footprint_reads_the_gpu_memory_from_the_hardware_table(capsys):
+    main(["footprint", "--params", "70B", "--placement", "params_nvme", "--hardware", "h200"])
+    out = capsys.readouterr().out
+    assert "fits one 141 GB GPU" in out and re.search(r"host\s+420.0 GB", out)

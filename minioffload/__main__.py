@@ -65,7 +65,8 @@ def hardware_command(args: argparse.Namespace) -> int:
           f"{'CPU Adam':>13}{'NVMe r/w':>14}")
     for hw in profiles.PRESETS.values():
         print(f"{hw.name:<11}{hw.device_memory / memory.GB:>6.0f} GB{hw.device_bandwidth / 1e12:>6.2f} TB/s"
-              f"{hw.peak_flops_bf16 / 1e12:>7.0f} TFLOP/s{hw.link_h2d / 1e9:>6.1f} ({hw.link_theoretical / 1e9:.1f}) GB/s"
+              f"{hw.peak_flops_bf16 / 1e12:>7.0f} TFLOP/s"
+              f"{hw.link_h2d / 1e9:>6.1f} ({hw.link_theoretical / 1e9:.1f}) GB/s"
               f"{hw.host_bandwidth / 1e9:>6.0f} GB/s{hw.cpu_adam_rate / 1e9:>6.2f} Gpar/s"
               f"{hw.nvme_read / 1e9:>6.1f}/{hw.nvme_write / 1e9:.1f} GB/s")
     print("\nachieved pinned link (theoretical); host: Adam-pattern bandwidth of the GPU's share of the host. "

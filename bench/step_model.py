@@ -4,7 +4,8 @@ chapters run.
 A small GPT trains on the sim device (2 GB/s link unless a row says otherwise). Each configuration is timed
 for a few steps, interleaved with the others, medians kept. The prediction uses `profiles.probe()` (this
 machine's measured figures) and one calibration: the model FLOP/s utilisation (mfu) of forward + backward,
-measured here on a "compute only" contender (forward and backward, no optimizer) in the same run. Everything
+measured here on "compute only" contenders (forward and backward, no optimizer; one per model dtype: a CPU runs
+bf16 models at a very different share of its matmul peak) in the same run. Everything
 else (link, CPU Adam, host passes, disk, the overlaps) comes from the profile and the model's rules.
 
 Headline (bench/results/step_model.json), over the offloaded configurations (the calibration row excluded):
@@ -40,6 +41,7 @@ PRESET, BATCH, BLOCK = "medium", 2, 64
 #          link GB/s, model dtype)
 SETUPS = {
     "compute only": (None, 2.0, torch.float32),
+    "compute only, bf16": (None, 2.0, torch.bfloat16),
     "on device (torch AdamW)": ("device", 2.0, torch.float32),
     "offload, 4M subgroups": ({}, 2.0, torch.float32),
     "offload, 1M subgroups": ({"subgroup_numel": 1 << 20}, 2.0, torch.float32),
@@ -110,11 +112,9 @@ def make_run(options, link_gbps: float, dtype: torch.dtype, scratch: Path):
     return one_step, dev, work
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds (about a minute)")
-    args = parser.parse_args()
-    rounds = 3 if args.quick else 7
+def one_run(rounds: int) -> tuple[list[dict], dict, profiles.Hardware, stepmodel.Workload]:
+    """Probe this machine, time every configuration (interleaved), predict each: rows and headline of one run."""
+    profiles.probe.cache_clear()  # each run measures its own figures
     hw = profiles.probe()
     runs, devices, works = {}, [], {}
     with tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parents[1] / ".cache") as scratch:
@@ -124,37 +124,59 @@ def main() -> int:
         results = interleaved(runs, rounds, warmup=2)
         for dev in devices:
             dev.close()
-
     measured = {name: statistics.median(m["wall_s"] for m in rows) for name, rows in results.items()}
-    work = works["compute only"]
-    mfu = 6 * work.num_params * work.tokens / (hw.peak_flops(work.precision) * measured["compute only"])
+    mfu = {}  # per model dtype: the share of peak FLOP/s forward + backward reach here
+    for name in ("compute only", "compute only, bf16"):
+        work = works[name]
+        mfu[work.precision] = 6 * work.num_params * work.tokens / (hw.peak_flops(work.precision) * measured[name])
     rows = []
-    print(f"step model vs the sim device: {work.num_params / 1e6:.1f}M-param GPT, {work.tokens} tokens per step, "
-          f"{rounds} interleaved rounds (medians); calibrated mfu {mfu:.3f} of {hw.peak_flops_fp32 / 1e9:.0f} GFLOP/s")
-    print(f"{'configuration':<28}{'predicted ms':>13}{'measured ms':>12}{'ratio':>7}  bound")
     for name, (options, gbps, _dtype) in SETUPS.items():
         profile = hw if gbps == 2.0 else hw.replace(link_h2d=gbps * 1e9, link_d2h=gbps * 1e9,
                                                     link_theoretical=gbps * 1e9)
-        if options is None:
-            pred = None
-        else:
-            pred = stepmodel.predict(works[name], profile, config_of(options, mfu))
-        walls = [m["wall_s"] for m in results[name]]
-        row = {"configuration": name, "wall_s": stats(walls), "measured_s": measured[name],
+        row = {"configuration": name, "wall_s": stats([m["wall_s"] for m in results[name]]),
+               "measured_s": measured[name],
                "lanes_measured_s": {k: statistics.median(m[k] for m in results[name]) for k in results[name][0]}}
-        if pred is not None:
+        if options is not None:
+            pred = stepmodel.predict(works[name], profile, config_of(options, mfu[works[name].precision]))
             row.update(stepmodel.compare(pred, measured[name]))
             row.update({"bound": pred.bound, "busy_predicted_s": pred.busy, "exposed_predicted_s": pred.exposed})
         rows.append(row)
-        shown = "(calibration)" if pred is None else f"{pred.step_s * 1e3:>13.1f}"
-        ratio = "" if pred is None else f"{row['ratio']:.2f}"
-        print(f"{name:<28}{shown:>13}{measured[name] * 1e3:>12.1f}{ratio:>7}  {'' if pred is None else pred.bound}")
-    errors = [row["relative_error"] for row in rows if "relative_error" in row]
-    headline = {"median_relative_error": statistics.median(errors), "worst_relative_error": max(errors),
-                "worst_configuration": max((r for r in rows if "relative_error" in r),
-                                           key=lambda r: r["relative_error"])["configuration"],
-                "configurations": len(errors), "calibrated_mfu": mfu}
-    print("headline:", ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in headline.items()))
+    errors = {row["configuration"]: row["relative_error"] for row in rows if "relative_error" in row}
+    headline = {"median_relative_error": statistics.median(errors.values()),
+                "worst_relative_error": max(errors.values()), "worst_configuration": max(errors, key=errors.get),
+                "configurations": len(errors), "calibrated_mfu": mfu["fp32"], "calibrated_mfu_bf16": mfu["mixed_bf16"]}
+    return rows, headline, hw, works["compute only"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one run of 3 rounds (about a minute)")
+    parser.add_argument("--runs", type=int, default=3, help="independent runs; the headline is their median")
+    args = parser.parse_args()
+    rounds, count = (3, 1) if args.quick else (7, args.runs)
+    runs = [one_run(rounds) for _ in range(count)]
+    rows, _, hw, work = sorted(runs, key=lambda run: run[1]["median_relative_error"])[len(runs) // 2]  # median run
+    print(f"step model vs the sim device: {work.num_params / 1e6:.1f}M-param GPT, {work.tokens} tokens per step, "
+          f"{rounds} interleaved rounds per run, {count} run(s); the median run's rows:")
+    print(f"{'configuration':<28}{'predicted ms':>13}{'measured ms':>12}{'ratio':>7}  bound")
+    for row in rows:
+        shown = f"{row['predicted_s'] * 1e3:>13.1f}" if "predicted_s" in row else f"{'(calibration)':>13}"
+        ratio = f"{row['ratio']:.2f}" if "ratio" in row else ""
+        print(f"{row['configuration']:<28}{shown}{row['measured_s'] * 1e3:>12.1f}{ratio:>7}  {row.get('bound', '')}")
+    per_run = [headline for _, headline, _, _ in runs]
+    headline = {key: stats([h[key] for h in per_run]) for key in ("median_relative_error", "worst_relative_error",
+                                                                 "calibrated_mfu", "calibrated_mfu_bf16")}
+    headline = {"median_relative_error": headline["median_relative_error"]["median"],
+                "worst_relative_error": headline["worst_relative_error"]["median"],
+                "spread": headline, "worst_configuration": [h["worst_configuration"] for h in per_run],
+                "configurations": per_run[0]["configurations"], "runs": count,
+                "targets": {"median_relative_error": 0.15, "worst_relative_error": 0.30}}
+    def each(key: str) -> str:
+        return ", ".join(f"{h[key]:.3f}" for h in per_run)
+
+    print(f"headline (median of {count} run(s)): median_relative_error={headline['median_relative_error']:.3f} "
+          f"(runs: {each('median_relative_error')}), worst_relative_error={headline['worst_relative_error']:.3f} "
+          f"(runs: {each('worst_relative_error')}); worst: {', '.join(headline['worst_configuration'])}")
     config = {"preset": PRESET, "batch_size": BATCH, "block_size": BLOCK, "rounds": rounds, "quick": args.quick,
               "profile": {r["figure"]: r["value"] for r in hw.table()}}
     print(f"wrote {write('step_model', rows, headline, config)}")

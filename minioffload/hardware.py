@@ -126,12 +126,13 @@ def cpu_adam_rate(num_params: int = 20_000_000, repeats: int = 3, threads: int |
     return num_params / seconds
 
 
-def matmul_flops(n: int = 1024, repeats: int = 3) -> float:
-    """FLOP/s of an n x n fp32 matmul on this CPU (2 n^3 per product): the sim device's peak compute."""
+def matmul_flops(n: int = 1024, repeats: int = 3, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of an n x n matmul in `dtype` on this CPU (2 n^3 per product): the sim device's peak compute.
+    (A CPU without bf16 matrix units runs bf16 matmuls far slower than fp32 ones.)"""
     if n <= 0 or repeats <= 0:
         raise ValueError(f"n and repeats must be positive, got {n} and {repeats}")
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    out = torch.empty(n, n)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    out = torch.empty(n, n, dtype=dtype)
     return 2 * n**3 / _median_seconds(lambda: torch.mm(a, b, out=out), repeats)
 
 

@@ -404,7 +404,8 @@ class Ledger:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reference sizes used by chapter 1 (parameter counts; GPU memory as sold, in decimal GB)
+# Reference sizes used by chapter 1: parameter counts, and GPUS (name -> memory as sold, decimal GB, from the
+# hardware table in profiles.py)
 
 MODELS = {
     "GPT-2 124M": 124e6,
@@ -415,7 +416,16 @@ MODELS = {
     "GPT-3 66B": 66e9,
     "GPT-3 175B": 175e9,
 }
-GPUS = {"H100 80 GB": 80 * GB, "H200 141 GB": 141 * GB}
+
+
+def __getattr__(name: str):
+    # GPUS is read from the hardware table (profiles.py imports this module, so it is built on first use)
+    if name == "GPUS":
+        from .profiles import PRESETS
+
+        return {f"{label} {PRESETS[key].device_memory / GB:.0f} GB": PRESETS[key].device_memory
+                for label, key in (("H100", "h100-sxm"), ("H200", "h200"))}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def first_placement_that_fits(num_params: float, device_bytes: float, precision: str = "mixed_bf16",

@@ -261,6 +261,7 @@ def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quic
     cpu_adam = hardware.cpu_adam_rate(size, repeats=3)
     one_thread_adam = hardware.cpu_adam_rate(size, repeats=3, threads=1)
     flops = hardware.matmul_flops(repeats=3)
+    flops_bf16 = hardware.matmul_flops(repeats=3, dtype=torch.bfloat16)
     with tempfile.TemporaryDirectory(dir=nvme_dir) as scratch:
         disk = hardware.disk_bandwidth(scratch, (64 if quick else 256) << 20)
     with SimDevice(h2d=Link(link), d2h=Link(link)) as dev:
@@ -279,12 +280,12 @@ def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quic
                     "link_h2d": "the simulated device's Link model" if link_bandwidth is None else "set by the caller",
                     "link_theoretical": "the simulated device's Link model (no slot: theoretical = modelled)",
                     "device_bandwidth": "the host's (the sim device computes in host memory): " + measured,
-                    "peak_flops_bf16": "fp32 matmul of this CPU (the sim computes in fp32): " + measured,
+                    "peak_flops_bf16": "bf16 matmul of this CPU: " + measured,
                     "host_memory": "os.sysconf (physical memory)"})
     sources["link_d2h"] = sources["link_h2d"]
     return Hardware(
         name="this machine (sim)", description=f"simulated device on this {os.cpu_count()}-core machine",
-        device_memory=memory_bytes, device_bandwidth=host_bw, peak_flops_bf16=flops, peak_flops_fp32=flops,
+        device_memory=memory_bytes, device_bandwidth=host_bw, peak_flops_bf16=flops_bf16, peak_flops_fp32=flops,
         device_adam_rate=min(adam_rate, one_thread_adam), link_theoretical=link, link_h2d=link, link_d2h=link,
         link_latency=per_copy["latency"], copy_overhead=per_copy["issue"],
         host_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),

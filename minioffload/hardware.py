@@ -1,10 +1,11 @@
-"""Measure this machine: host memory bandwidth, and copy bandwidth between host and device.
+"""Measure this machine: memory bandwidth, copy bandwidth and costs, matmul FLOP/s, CPU Adam rate, disk rates.
 
-`host_memory_bandwidth()` times a large host copy. `copy_bandwidth(dev, ...)` times host<->device
-copies of a range of sizes from pinned and from pageable memory, on the sim device (where the result
-follows its link model, plus the real cost of queuing work) or on a real GPU (where it is the PCIe or
-NVLink-C2C link). Later chapters add disk bandwidth and the CPU Adam rate, and collect all of it into
-a profile the planner uses.
+`host_memory_bandwidth()` times a large host copy; `adam_roofline()` a kernel with Adam's access pattern.
+`copy_bandwidth(dev, ...)` times host<->device copies of a range of sizes from pinned and from pageable
+memory, on the sim device (where the result follows its link model, plus the real cost of queuing work) or
+on a real GPU (where it is the PCIe or NVLink-C2C link); `copy_costs(dev)` the fixed cost of one small copy.
+`matmul_flops()`, `cpu_adam_rate()` and `disk_bandwidth(dir)` time the rest. `profiles.probe()` collects
+these into a profile of this machine beside the cited presets of the hardware table.
 
 What this is not: a benchmark suite. Each function runs a few repeats and reports the median;
 `bench/` is where contenders are compared side by side.

@@ -197,6 +197,7 @@ class _Builder:
         self.forward_s = 2 * n * t / flops
         self.backward_s = (4 + 2 * work.recompute) * n * t / flops
         self.job = None  # delayed update: the background update's last op
+        self.state_home = None  # hybrid: the last streamed state copied back to the host
 
     def copy(self, direction: str, nbytes: float, copies: int, name: str, deps, stream: str) -> int:
         link = self.hw.link_h2d if direction == "h2d" else self.hw.link_d2h
@@ -249,52 +250,57 @@ class _Builder:
         if config.clip:
             ready = self.host("clip", CLIP_BYTES, cpu_params, [ready])
         device_done = self.device_path(groups, ready, backward)
-        last_cpu = ready
-        for i in on_cpu:
+        stream = "update" if config.delay else "host"  # the delayed update runs on a thread of its own
+        reads = self.nvme_reads(groups, on_cpu, ready) if config.nvme else {}
+        last_cpu, writes = ready, []
+        for k, i in enumerate(on_cpu):
             params, tensors = groups[i]
-            read = write = None
-            if config.nvme:
-                read = plan.add("nvme_read", "nvme read", params * STATE_BYTES_PER_PARAM / hw.nvme_read, [ready],
-                                params * STATE_BYTES_PER_PARAM, stream="nvme_read")
-            stream = "update" if config.delay else "host"
-            last_cpu = plan.add("cpu", f"adam {params / 1e6:.2f}M", params / hw.cpu_adam_rate, [last_cpu, read],
-                                stream=stream)
+            if config.nvme and k + 1 < len(on_cpu):  # prefetch the next subgroup into the third working set
+                reads[on_cpu[k + 1]] = self.nvme_read(groups[on_cpu[k + 1]][0], [
+                    last_cpu, writes[k - 2] if k >= 2 else None, uploads[k - 2] if k >= 2 else None])
+            last_cpu = plan.add("cpu", f"adam {params / 1e6:.2f}M", params / hw.cpu_adam_rate,
+                                [last_cpu, reads.get(i)], stream=stream)
             rounding = (4 + mb) if mb != 4 else 0  # fp32 master -> 16-bit staging, for the upload
             last_cpu = self.host("round + zero grad", rounding + ZERO_BYTES, params, [last_cpu], stream,
                                  issue=0 if config.delay else tensors)
             if config.nvme:
-                write = plan.add("nvme_write", "nvme write", params * STATE_BYTES_PER_PARAM / hw.nvme_write,
-                                 [last_cpu], params * STATE_BYTES_PER_PARAM, stream="nvme_write")
+                state = params * STATE_BYTES_PER_PARAM
+                writes.append(plan.add("nvme_write", "nvme write", state / hw.nvme_write, [last_cpu], state,
+                                       stream="nvme_write"))
             if not config.delay:
                 uploads.append(self.copy("h2d", params * mb, tensors, "h2d weights", [last_cpu], "h2d"))
-            del write
         if config.delay:
             self.job = last_cpu  # runs on beside the next forward and backward
             return plan.mark([ready, *uploads])
         return plan.mark([last_cpu, *uploads, device_done])
+
+    def nvme_read(self, params: int, deps) -> int:
+        state = params * STATE_BYTES_PER_PARAM
+        return self.plan.add("nvme_read", "nvme read", state / self.hw.nvme_read, deps, state, stream="nvme_read")
+
+    def nvme_reads(self, groups, on_cpu: list[int], ready: int) -> dict[int, int]:
+        """The first subgroup's state is read when the update starts (the NVMe tier reads one ahead)."""
+        return {on_cpu[0]: self.nvme_read(groups[on_cpu[0]][0], [ready])} if on_cpu else {}
 
     def device_path(self, groups, ready: int, backward: int) -> int | None:
         """Chapter 5's hybrid update: resident subgroups updated in place; streamed ones copied in, updated,
         copied out, over two scratch sets."""
         config, plan, hw = self.config, self.plan, self.hw
         resident, streamed = device_subgroups(len(groups), config.gpu_fraction, config.stride)
-        done, freed, last = None, [], None
+        freed, last = [], None
         for i in sorted([*resident, *streamed]):
             params, _ = groups[i]
             deps = [ready, backward]
             if i in streamed:
                 state = params * STATE_BYTES_PER_PARAM
-                scratch_free = freed[-2] if len(freed) >= 2 else None
-                arrived = self.copy("h2d", state, 3, "h2d state", [ready, scratch_free], "state h2d")
-                deps.append(arrived)
+                scratch_free = freed[-2] if len(freed) >= 2 else self.state_home  # two scratch sets
+                deps.append(self.copy("h2d", state, 3, "h2d state", [ready, scratch_free], "state h2d"))
             last = plan.add("compute", f"device adam {params / 1e6:.2f}M", params / hw.device_adam_rate, deps,
                             stream="device adam")
             if i in streamed:
                 freed.append(self.copy("d2h", params * STATE_BYTES_PER_PARAM, 3, "d2h state", [last], "state d2h"))
-        if last is None:
-            return None
-        done = plan.mark([last, *freed])
-        return done
+        self.state_home = freed[-1] if freed else None  # the next step's state waits for this one to be home
+        return last  # the next forward waits for the weights the device wrote, not for the state's way home
 
 
 @dataclass

@@ -73,3 +73,10 @@ def test_probe_describes_this_machine_as_a_shared_host():
     assert hw.device_bandwidth == hw.host_bandwidth  # the sim's device memory is the host's
     assert hw.link_h2d == 2e9  # the sim's default link
     assert profiles.probe() is hw  # cached: chapters share one measurement
+
+
+def test_the_gpu_sizes_chapter_1_uses_come_from_the_table():
+    from minioffload import memory
+
+    assert memory.GPUS == {"H100 80 GB": profiles.preset("h100-sxm").device_memory,
+                           "H200 141 GB": profiles.preset("h200").device_memory}

@@ -5,8 +5,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from .. import memory
+from .. import memory, profiles
 from . import grader
+
+# GPU and host sizes of the course's hardware table (profiles.PRESETS), smallest first.
+GPU_BYTES = sorted({hw.device_memory for hw in profiles.PRESETS.values()})
+HOST_BYTES = sorted({hw.host_memory for hw in profiles.PRESETS.values()})
 
 
 @grader("1.1")
@@ -47,7 +51,7 @@ def activation_bytes(fn: Callable) -> str:
 @grader("1.3")
 def largest_model(fn: Callable) -> str:
     """fn(gpu_bytes, precision, placement) -> the largest whole number of parameters that fits."""
-    for gpu_bytes in (24 * memory.GB, 80 * memory.GB, 141 * memory.GB):
+    for gpu_bytes in GPU_BYTES:
         for precision in memory.PRECISIONS:
             for placement in ("device", "optimizer_cpu"):
                 fp = memory.footprint(precision, "adam", placement)
@@ -57,22 +61,27 @@ def largest_model(fn: Callable) -> str:
                 assert got == expected, (
                     f"largest_model({gpu_bytes / memory.GB:.0f} GB, {precision!r}, {placement!r}) returned "
                     f"{got:,}, expected {expected:,} ({fp.per_param('device')} B/param on the device)")
-    best = fn(80 * memory.GB, "mixed_bf16", "optimizer_cpu")
-    return f"all cases match; with the optimizer on the CPU an 80 GB GPU holds {best / 1e9:.0f}B parameters"
+    h100 = profiles.preset("h100-sxm")
+    best = fn(h100.device_memory, "mixed_bf16", "optimizer_cpu")
+    return (f"all cases match; with the optimizer on the CPU the {h100.name} ({h100.device_memory / memory.GB:.0f} GB) "
+            f"holds {best / 1e9:.0f}B parameters")
 
 
 @grader("1.4")
 def first_placement(fn: Callable) -> str:
-    """fn(num_params, device_bytes, host_bytes) -> the least offloaded placement that fits, or None."""
+    """fn(num_params, device_bytes, host_bytes) -> the least offloaded placement that fits, or None (the host
+    bytes the engine allocates: `memory.footprint`)."""
     cases = 0
-    for name, num_params in memory.MODELS.items():
-        for gpu_bytes in memory.GPUS.values():
-            for host_bytes in (None, 512 * memory.GB, 2048 * memory.GB):
+    for name, num_params in {**memory.MODELS, "70B": 70e9}.items():
+        for gpu_bytes in GPU_BYTES:
+            for host_bytes in (None, *HOST_BYTES):
                 expected = memory.first_placement_that_fits(num_params, gpu_bytes, host_bytes=host_bytes)
                 got = fn(num_params, gpu_bytes, host_bytes)
-                host = "unbounded" if host_bytes is None else f"{host_bytes / memory.GB:.0f} GB"
+                host = "unbounded" if host_bytes is None else f"{host_bytes / memory.GiB:.0f} GiB"
                 assert got == expected, (
                     f"{name} on a {gpu_bytes / memory.GB:.0f} GB GPU with host memory {host}: "
-                    f"returned {got!r}, expected {expected!r}")
+                    f"returned {got!r}, expected {expected!r} (host bytes per parameter of each placement: "
+                    + ", ".join(f"{p} {memory.footprint('mixed_bf16', 'adam', p).per_param('host')}"
+                                for p in memory.PLACEMENTS) + ")")
                 cases += 1
     return f"{cases} model x GPU x host cases match"

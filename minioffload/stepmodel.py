@@ -16,8 +16,11 @@ free. Durations, per operation:
 
 Which resources are one: each lane is its own resource, except that reads and writes share one drive, and
 on a `shared_host` profile (the simulated device) the device's compute and the CPU's work run on the same
-cores, so they queue behind each other instead of overlapping. Several steps are simulated and the last one
-is reported, so a delayed update that spills into the next step is counted as it would be in a long run.
+cores, so they queue behind each other instead of overlapping. Host DRAM is shared by the CPU's passes and by
+every DMA to or from host memory (link copies, disk reads and writes): the step is no shorter than all those
+bytes over `host_bandwidth` (the "host memory" bound, which the chapter 5 paper observes as PCIe transfers
+contending with the CPU update). Several steps are simulated and the last one is reported, so a delayed update
+that spills into the next step is counted as it would be in a long run.
 
 What this is not: a simulator of kernels or of an allocator. It knows the runtime's configurations
 (on-device, optimizer offload, delayed update, hybrid split, NVMe tier) and the byte counts each moves; it
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 
 from .hybrid import STATE_BYTES_PER_PARAM, device_subgroups
 from .memory import PRECISIONS
-from .profiles import Hardware
+from .profiles import ADAM_BYTES_PER_PARAM, Hardware
 from .trace import Trace, union_length
 
 # Bytes per parameter of the host passes the engine makes besides Adam (offload.py):
@@ -110,6 +113,7 @@ class _Op:
     seconds: float
     deps: list[int]
     nbytes: int = 0
+    host_bytes: float = 0.0  # bytes it moves through host DRAM (CPU passes, and DMA to or from host memory)
     start: float = math.nan
     end: float = math.nan
 
@@ -121,11 +125,12 @@ class _Plan:
     ops: list[_Op] = field(default_factory=list)
     last_in_stream: dict[str, int] = field(default_factory=dict)
 
-    def add(self, lane: str, name: str, seconds: float, deps=(), nbytes: int = 0, stream: str | None = None) -> int:
+    def add(self, lane: str, name: str, seconds: float, deps=(), nbytes: int = 0, stream: str | None = None,
+            host_bytes: float = 0.0) -> int:
         deps = [d for d in deps if d is not None]
         if stream is not None and stream in self.last_in_stream:
             deps.append(self.last_in_stream[stream])
-        self.ops.append(_Op(lane, name, max(0.0, seconds), deps, int(nbytes)))
+        self.ops.append(_Op(lane, name, max(0.0, seconds), deps, int(nbytes), host_bytes))
         index = len(self.ops) - 1
         if stream is not None:
             self.last_in_stream[stream] = index
@@ -201,12 +206,13 @@ class _Builder:
 
     def copy(self, direction: str, nbytes: float, copies: int, name: str, deps, stream: str) -> int:
         link = self.hw.link_h2d if direction == "h2d" else self.hw.link_d2h
-        return self.plan.add(direction, name, copies * self.hw.link_latency + nbytes / link, deps, nbytes, stream)
+        return self.plan.add(direction, name, copies * self.hw.link_latency + nbytes / link, deps, nbytes, stream,
+                             host_bytes=nbytes)
 
     def host(self, name: str, bytes_per_param: float, params: float, deps, stream: str = "host", issue: int = 0) -> int:
         """A pass over host memory, plus the host time to issue `issue` copies after it."""
         seconds = params * bytes_per_param / self.hw.host_bandwidth + issue * self.hw.copy_overhead
-        return self.plan.add("cpu", name, seconds, deps, stream=stream)
+        return self.plan.add("cpu", name, seconds, deps, stream=stream, host_bytes=params * bytes_per_param)
 
     def forward_backward(self, after: int | None) -> tuple[int, list[int]]:
         """Forward, then backward in pieces with each piece's gradient copy (offloaded CPU subgroups only)."""
@@ -259,14 +265,14 @@ class _Builder:
                 reads[on_cpu[k + 1]] = self.nvme_read(groups[on_cpu[k + 1]][0], [
                     last_cpu, writes[k - 2] if k >= 2 else None, uploads[k - 2] if k >= 2 else None])
             last_cpu = plan.add("cpu", f"adam {params / 1e6:.2f}M", params / hw.cpu_adam_rate,
-                                [last_cpu, reads.get(i)], stream=stream)
+                                [last_cpu, reads.get(i)], stream=stream, host_bytes=params * ADAM_BYTES_PER_PARAM)
             rounding = (4 + mb) if mb != 4 else 0  # fp32 master -> 16-bit staging, for the upload
             last_cpu = self.host("round + zero grad", rounding + ZERO_BYTES, params, [last_cpu], stream,
                                  issue=0 if config.delay else tensors)
             if config.nvme:
                 state = params * STATE_BYTES_PER_PARAM
                 writes.append(plan.add("nvme_write", "nvme write", state / hw.nvme_write, [last_cpu], state,
-                                       stream="nvme_write"))
+                                       stream="nvme_write", host_bytes=state))
             if not config.delay:
                 uploads.append(self.copy("h2d", params * mb, tensors, "h2d weights", [last_cpu], "h2d"))
         if config.delay:
@@ -276,7 +282,8 @@ class _Builder:
 
     def nvme_read(self, params: int, deps) -> int:
         state = params * STATE_BYTES_PER_PARAM
-        return self.plan.add("nvme_read", "nvme read", state / self.hw.nvme_read, deps, state, stream="nvme_read")
+        return self.plan.add("nvme_read", "nvme read", state / self.hw.nvme_read, deps, state, stream="nvme_read",
+                             host_bytes=state)
 
     def nvme_reads(self, groups, on_cpu: list[int], ready: int) -> dict[int, int]:
         """The first subgroup's state is read when the update starts (the NVMe tier reads one ahead)."""
@@ -296,7 +303,7 @@ class _Builder:
                 scratch_free = freed[-2] if len(freed) >= 2 else self.state_home  # two scratch sets
                 deps.append(self.copy("h2d", state, 3, "h2d state", [ready, scratch_free], "state h2d"))
             last = plan.add("compute", f"device adam {params / 1e6:.2f}M", params / hw.device_adam_rate, deps,
-                            stream="device adam")
+                            stream="device adam", host_bytes=params * ADAM_BYTES_PER_PARAM if hw.shared_host else 0)
             if i in streamed:
                 freed.append(self.copy("d2h", params * STATE_BYTES_PER_PARAM, 3, "d2h state", [last], "state d2h"))
         self.state_home = freed[-1] if freed else None  # the next step's state waits for this one to be home
@@ -307,13 +314,15 @@ class _Builder:
 class Prediction:
     """A predicted step: its length, its trace (the last of the simulated steps, starting at 0), busy time per
     lane, the resource with the most busy time (`bound`: a lane, "nvme" for the drive, "host" for the shared
-    cores of the sim), and per lane the busy time not hidden behind compute (`exposed`)."""
+    cores of the sim, "host memory" when the step's DRAM traffic sets its length), and per lane the busy time
+    not hidden behind compute (`exposed`)."""
 
     step_s: float
     trace: Trace
     busy: dict[str, float]
     exposed: dict[str, float]
     bound: str
+    host_memory_s: float = 0.0  # the step's host DRAM traffic over host_bandwidth: a floor on step_s
 
     def summary(self) -> str:
         busy = ", ".join(f"{lane} {seconds * 1e3:.1f}" for lane, seconds in self.busy.items())
@@ -329,8 +338,9 @@ def predict(work: Workload, hw: Hardware, config: StepConfig | None = None, step
     if steps < 2:
         raise ValueError(f"steps must be at least 2 (the last one is reported in steady state), got {steps}")
     builder = _Builder(work, hw, config)
-    ends, after = [], None
+    ends, after, first_op_of_last_step = [], None, 0
     for _ in range(steps):
+        first_op_of_last_step = len(builder.plan.ops)
         after = builder.step(after)
         ends.append(after)
     _schedule(builder.plan, hw)
@@ -340,7 +350,14 @@ def predict(work: Workload, hw: Hardware, config: StepConfig | None = None, step
     for op in ops:  # the last step's window: what runs between the previous step's end and this one's
         if op.lane and op.end > start and op.start < end and op.seconds > 0:
             trace.record(op.lane, op.name, max(op.start, start) - start, min(op.end, end) - start, op.nbytes)
-    return _prediction(trace, end - start, hw)
+    # Host DRAM is one resource the lanes share: the CPU's passes and every DMA to or from host memory. The
+    # schedule lets them overlap freely; the step can be no shorter than their bytes over its bandwidth.
+    host_bytes = sum(op.host_bytes for op in ops[first_op_of_last_step:])
+    prediction = _prediction(trace, end - start, hw)
+    prediction.host_memory_s = host_bytes / hw.host_bandwidth
+    if prediction.host_memory_s > prediction.step_s:
+        prediction.step_s, prediction.bound = prediction.host_memory_s, "host memory"
+    return prediction
 
 
 def _prediction(trace: Trace, step_s: float, hw: Hardware) -> Prediction:

@@ -144,3 +144,12 @@ def test_compare_reports_ratio_and_error():
     assert row["ratio"] == pytest.approx(0.5) and row["relative_error"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="measured_step_s"):
         stepmodel.compare(pred, 0)
+
+
+def test_host_dram_shared_by_dma_and_the_cpu_bounds_the_step():
+    # a slow host memory: the CPU's passes and the copies' DMA cannot all fit in the scheduled step
+    hw = machine(host_bandwidth=1e8, cpu_adam_rate=1e10, link_h2d=1e10, link_d2h=1e10)
+    pred = step(hw)
+    per_param = stepmodel.ACCUMULATE_BYTES + 4 + 28 + stepmodel.ZERO_BYTES + 4 + 4  # passes + d2h + h2d DMA
+    assert pred.host_memory_s == pytest.approx(N * per_param / 1e8)
+    assert pred.bound == "host memory" and pred.step_s == pred.host_memory_s

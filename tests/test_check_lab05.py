@@ -5,6 +5,7 @@ import math
 import pytest
 
 from minioffload import check, hybrid
+from minioffload.check.lab05 import GEN4, GEN5
 
 
 def stub(*args, **kwargs):
@@ -93,7 +94,7 @@ def unsliced_scratch(dev, subgroups, scratch, streams, update):
 
 # Task 5.4 --------------------------------------------------------------------------------------
 
-def best_stride(cpu_rate, bandwidth=64e9):
+def best_stride(cpu_rate, bandwidth=GEN5):
     return hybrid.nearest_stride(hybrid.best_split(cpu_rate, hybrid.link_rate(bandwidth))["fraction"])
 
 
@@ -127,11 +128,11 @@ WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("5.3", streamed_with(duration=False), "duration=numel / dev.adam_rate"),
     ("5.3", update_on_the_host, "the host thread"),
     ("5.3", unsliced_scratch, "[:numel]"),
-    ("5.4", lambda cpu_rate, bandwidth=64e9: round(1 / best_split_fraction(cpu_rate, bandwidth)), "closest share"),
-    ("5.4", lambda cpu_rate, bandwidth=64e9: math.floor(1 / best_split_fraction(cpu_rate, bandwidth)),
+    ("5.4", lambda cpu_rate, bandwidth=GEN5: round(1 / best_split_fraction(cpu_rate, bandwidth)), "closest share"),
+    ("5.4", lambda cpu_rate, bandwidth=GEN5: math.floor(1 / best_split_fraction(cpu_rate, bandwidth)),
      "closest share"),
-    ("5.4", lambda cpu_rate, bandwidth=25e9: best_stride(cpu_rate, bandwidth), "PCIe Gen5"),
-    ("5.4", lambda cpu_rate, bandwidth=64e9: float(best_stride(cpu_rate, bandwidth)), "as an int"),
+    ("5.4", lambda cpu_rate, bandwidth=GEN4: best_stride(cpu_rate, bandwidth), "PCIe Gen5"),
+    ("5.4", lambda cpu_rate, bandwidth=GEN5: float(best_stride(cpu_rate, bandwidth)), "as an int"),
 ]
 
 

@@ -18,10 +18,15 @@ from collections.abc import Callable
 
 import torch
 
-from .. import hybrid
+from .. import hybrid, profiles
 from ..device import Link
 from ..trace import Span
 from . import grader, sim_device
+
+# Links from the hardware table (achieved pinned bandwidth per direction, B/s): the figures a model must use.
+GEN4 = profiles.preset("a100-pcie").link_h2d  # PCIe 4.0 x16
+GEN5 = profiles.preset("h100-sxm").link_h2d  # PCIe 5.0 x16
+GEN4_X8 = profiles.preset("laptop").link_h2d  # PCIe 4.0 x8
 
 # ---------------------------------------------------------------------------------------------
 # Task 5.1: which subgroups go to the device
@@ -103,7 +108,7 @@ GRID = 1000  # the fraction's update time is compared with every k / GRID
 
 def _split_cases() -> list[tuple[float, float]]:
     rng = random.Random(52)
-    cases = [(1e9, 25e9), (4e9, 64e9), (1e9, 1.2e9)]  # a slow link: the CPU keeps most of the work
+    cases = [(1e9, GEN4), (4e9, GEN5), (1e9, 1.2e9)]  # a slow link: the CPU keeps most of the work
     cases += [(10 ** rng.uniform(8, 10.5), 10 ** rng.uniform(9, 11.5)) for _ in range(SPLIT_CASES)]
     return cases
 
@@ -149,10 +154,11 @@ def split_model(fn: Callable) -> str:
                     "time over the split time" if _close(got["speedup"], device_rate / cpu_rate) else
                     "the speedup is the CPU-only time N / r_c over the split time max((1 - f) N / r_c, f N / r_g)")
             raise AssertionError(f"{call}: speedup {_num(got['speedup'])}, expected {want['speedup']:.6g}: {hint}")
-    example = fn(1e9, 25e9)
+    example = fn(1e9, GEN4)
     return (f"{len(cases)} (CPU rate, link) pairs match: device rate = bandwidth / 12, the fraction balances the "
-            f"two paths (no point of a {GRID + 1}-point grid is faster); CPU Adam at 1e9 params/s beside a 25 GB/s "
-            f"link: the device takes {example['fraction']:.0%}, {example['speedup']:.1f}x faster")
+            f"two paths (no point of a {GRID + 1}-point grid is faster); CPU Adam at 1e9 params/s beside a "
+            f"{GEN4 / 1e9:g} GB/s link (PCIe Gen4 x16, achieved): the device takes {example['fraction']:.0%}, "
+            f"{example['speedup']:.1f}x faster")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,9 +318,8 @@ def update_streamed(fn: Callable) -> str:
 # ---------------------------------------------------------------------------------------------
 # Task 5.4: a stride for a PCIe Gen5 server
 
-GEN5 = 64e9  # B/s per direction (PCIe 5.0 x16)
 CPU_RATES = (5e8, 1e9, 2e9, 4e9, 1e10, 3e10, 1e11)
-BANDWIDTHS = (16e9, 32e9, GEN5)
+BANDWIDTHS = (GEN4_X8, GEN4, GEN5)
 
 
 def _stride(cpu_rate: float, bandwidth: float) -> int:
@@ -323,7 +328,7 @@ def _stride(cpu_rate: float, bandwidth: float) -> int:
 
 @grader("5.4")
 def best_stride(fn: Callable) -> str:
-    """fn(cpu_rate, bandwidth=64e9) -> the stride whose share of subgroups is closest to the best fraction."""
+    """fn(cpu_rate, bandwidth=GEN5) -> the stride whose share of subgroups is closest to the best fraction."""
     cases = [(rate, None) for rate in CPU_RATES] + [(rate, b) for rate in CPU_RATES for b in BANDWIDTHS]
     for cpu_rate, bandwidth in cases:
         got = fn(cpu_rate) if bandwidth is None else fn(cpu_rate, bandwidth)
@@ -335,9 +340,11 @@ def best_stride(fn: Callable) -> str:
         hint = (f"the best fraction is {f:.3f}; stride k streams 1/k of the subgroups, and 1/{want} is the closest "
                 f"share (round(1 / f) or int(1 / f) can miss it: hybrid.nearest_stride picks it)"
                 if isinstance(got, int) else "return the stride as an int")
-        if bandwidth is None and isinstance(got, int) and got == _stride(cpu_rate, 25e9):
-            hint = "the default bandwidth is PCIe Gen5's 64e9 B/s per direction"
+        if bandwidth is None and isinstance(got, int) and got == _stride(cpu_rate, GEN4):
+            hint = (f"the default bandwidth is PCIe Gen5's achieved {GEN5:.3g} B/s per direction "
+                    "(profiles.preset('h100-sxm').link_h2d)")
         raise AssertionError(f"{call} returned {got!r:.30}, expected {want}: {hint}")
     strides = ", ".join(f"{rate:.0e}".replace("e+0", "e").replace("e+", "e") + f" -> {fn(rate)}"
                         for rate in (1e9, 4e9, 1e10))
-    return f"{len(cases)} cases match; on PCIe Gen5 (64 GB/s each way), CPU Adam params/s -> stride: {strides}"
+    return (f"{len(cases)} cases match; on PCIe Gen5 ({GEN5 / 1e9:g} GB/s each way, achieved), CPU Adam params/s -> "
+            f"stride: {strides}")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..memory import MODELS, PRECISIONS, TIERS, footprint, format_bytes
+from ..memory import GB, MODELS, PRECISIONS, TIERS, footprint
 from ..pinned import ALIGNMENT, aligned_empty
 from . import grader
 
@@ -303,5 +303,5 @@ def bytes_per_tier(fn: Callable) -> str:
             hint = "use memory.footprint(precision, 'adam', 'optimizer_nvme').bytes(num_params, tier) for each tier"
         raise AssertionError(f"{call} returned {got!r:.100}, expected {want}: {hint}")
     example = fn(MODELS["GPT-3 13B"])
-    shown = ", ".join(f"{tier} {format_bytes(example[tier])}" for tier in TIERS)
+    shown = ", ".join(f"{tier} {example[tier] / GB:.1f} GB" for tier in TIERS)
     return f"{len(cases)} cases match; GPT-3 13B in mixed bf16 with Adam's state on NVMe: {shown}"

@@ -204,7 +204,8 @@ def pipelined_update(fn: Callable) -> str:
             break
     assert best < SERIAL_SHARE * serial, (
         f"{name}: {n} subgroups took {best / serial:.0%} of the serial time n x (read + update + write) at best of "
-        f"{ATTEMPTS} runs, though the stages overlapped; a pipeline takes about n x the slowest stage, "
+        f"{ATTEMPTS} runs, though the stages overlapped; a pipeline of independent stages (this fake drive reads "
+        f"and writes at once; one real drive does not) takes about n x the slowest stage, "
         f"{(n + 2) / (3 * n):.0%} here (the check asks for under {SERIAL_SHARE:.0%}): wait on futures "
         "(.result()), do not poll them in a loop, and do no other slow work between the calls")
     scenarios = ", ".join(s[0] for s in PIPELINE_SCENARIOS[3:])

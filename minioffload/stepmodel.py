@@ -42,6 +42,9 @@ from .trace import Trace, union_length
 ACCUMULATE_BYTES = 8  # grad (fp32) += staging: read 4 + write 4, plus the staging's own bytes (model dtype)
 CLIP_BYTES = 12  # global norm: one read (gradnorm.sum_of_squares, 4); then grad *= coef (4 + 4)
 ZERO_BYTES = 4  # grad.zero_() after the update
+DEVICE_PATH_BYTES = 8  # hybrid device path besides Adam: gather the gradients into fp32 (write 4) and read the
+#                       master to write the weights (read 4); plus the gradient read and the weight write, each in
+#                       the model's dtype
 
 
 @dataclass(frozen=True)
@@ -302,8 +305,11 @@ class _Builder:
                 state = params * STATE_BYTES_PER_PARAM
                 scratch_free = freed[-2] if len(freed) >= 2 else self.state_home  # two scratch sets
                 deps.append(self.copy("h2d", state, 3, "h2d state", [ready, scratch_free], "state h2d"))
-            last = plan.add("compute", f"device adam {params / 1e6:.2f}M", params / hw.device_adam_rate, deps,
-                            stream="device adam", host_bytes=params * ADAM_BYTES_PER_PARAM if hw.shared_host else 0)
+            # device_path._adam: gather the gradients into the flat buffer, Adam, write the weights in place
+            passes = DEVICE_PATH_BYTES + 2 * self.work.model_bytes
+            seconds = params / hw.device_adam_rate + params * passes / hw.device_bandwidth
+            last = plan.add("compute", f"device adam {params / 1e6:.2f}M", seconds, deps, stream="device adam",
+                            host_bytes=params * (ADAM_BYTES_PER_PARAM + passes) if hw.shared_host else 0)
             if i in streamed:
                 freed.append(self.copy("d2h", params * STATE_BYTES_PER_PARAM, 3, "d2h state", [last], "state d2h"))
         self.state_home = freed[-1] if freed else None  # the next step's state waits for this one to be home

@@ -13,6 +13,7 @@ What this is not: a benchmark suite. Each function runs a few repeats and report
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Iterable
@@ -127,14 +128,21 @@ def cpu_adam_rate(num_params: int = 20_000_000, repeats: int = 3, threads: int |
     return num_params / seconds
 
 
-def matmul_flops(n: int = 1024, repeats: int = 3, dtype: torch.dtype = torch.float32) -> float:
+def matmul_flops(n: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
     """FLOP/s of an n x n matmul in `dtype` on this CPU (2 n^3 per product): the sim device's peak compute.
-    (A CPU without bf16 matrix units runs bf16 matmuls far slower than fp32 ones.)"""
+    A peak, so the fastest of `repeats` (a busy machine slows some of them). A CPU with bf16 matrix units runs
+    bf16 matmuls far faster than fp32 ones; one without them, far slower."""
     if n <= 0 or repeats <= 0:
         raise ValueError(f"n and repeats must be positive, got {n} and {repeats}")
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     out = torch.empty(n, n, dtype=dtype)
-    return 2 * n**3 / _median_seconds(lambda: torch.mm(a, b, out=out), repeats)
+    torch.mm(a, b, out=out)  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
 
 
 def disk_bandwidth(directory, nbytes: int = 64 * MiB, keys: int = 12) -> dict:

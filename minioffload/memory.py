@@ -412,8 +412,8 @@ MODELS = {
     "GPT-2 1.5B": 1.5e9,
     "GPT-3 6.7B": 6.7e9,
     "GPT-3 13B": 13e9,
-    "GPT-3 30B": 30e9,
-    "GPT-3 66B": 66e9,
+    "OPT-30B": 30e9,  # GPT-3 has no 30B or 66B model; OPT (Zhang et al., 2022) has
+    "OPT-66B": 66e9,
     "GPT-3 175B": 175e9,
 }
 

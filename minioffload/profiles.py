@@ -260,8 +260,8 @@ def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quic
     host_bw = hardware.adam_roofline(size, repeats=3)
     cpu_adam = hardware.cpu_adam_rate(size, repeats=3)
     one_thread_adam = hardware.cpu_adam_rate(size, repeats=3, threads=1)
-    flops = hardware.matmul_flops(repeats=3)
-    flops_bf16 = hardware.matmul_flops(repeats=3, dtype=torch.bfloat16)
+    flops = hardware.matmul_flops()
+    flops_bf16 = hardware.matmul_flops(dtype=torch.bfloat16)
     with tempfile.TemporaryDirectory(dir=nvme_dir) as scratch:
         disk = hardware.disk_bandwidth(scratch, (64 if quick else 256) << 20)
     with SimDevice(h2d=Link(link), d2h=Link(link)) as dev:

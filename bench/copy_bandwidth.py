@@ -44,7 +44,10 @@ def main() -> int:
     headline = {"device": kind,
                 "pinned_h2d_GBps": rate["h2d", True, big] / 1e9, "pinned_d2h_GBps": rate["d2h", True, big] / 1e9,
                 "pinned_over_pageable_h2d": rate["h2d", True, big] / rate["h2d", False, big],
-                "pinned_over_pageable_d2h": rate["d2h", True, big] / rate["d2h", False, big]}
+                "pinned_over_pageable_d2h": rate["d2h", True, big] / rate["d2h", False, big],
+                # on the sim these read back its own model (SimDevice.pageable_slowdown), not a measurement
+                "what_it_measures": "the sim's link model and pageable_slowdown parameter (plumbing check)"
+                if kind == "sim" else "this GPU's link"}
     print(f"copy bandwidth on the {kind} device, {rounds} interleaved rounds (median GB/s [min, max])")
     print(f"{'direction':<10}{'memory':<10}" + "".join(f"{size_label(n):>22}" for n in sizes))
     for (d, p) in results:

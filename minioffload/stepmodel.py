@@ -209,8 +209,9 @@ class _Builder:
 
     def copy(self, direction: str, nbytes: float, copies: int, name: str, deps, stream: str) -> int:
         link = self.hw.link_h2d if direction == "h2d" else self.hw.link_d2h
+        # DMA touches host memory once; on a shared host (the sim) a "copy" is a memcpy that reads and writes it
         return self.plan.add(direction, name, copies * self.hw.link_latency + nbytes / link, deps, nbytes, stream,
-                             host_bytes=nbytes)
+                             host_bytes=nbytes * (2 if self.hw.shared_host else 1))
 
     def host(self, name: str, bytes_per_param: float, params: float, deps, stream: str = "host", issue: int = 0) -> int:
         """A pass over host memory, plus the host time to issue `issue` copies after it."""

@@ -173,6 +173,13 @@ def _preset(name: str, description: str, *, device_memory, device_bandwidth, bf1
 
 def _presets() -> dict[str, Hardware]:
     gpu = ("device_memory", "device_bandwidth", "peak_flops_bf16", "peak_flops_fp32")
+    # H100 and H200 SXM: the same compute, the same DGX-like node (a quarter socket, a drive per GPU)
+    hopper_node = dict(bf16=989e12, fp32=67e12, link_theoretical=63 * GB, link_achieved=50 * GB,
+                       host_memory=256 * GiB, host_bandwidth=_share(0.7 * 307.2 * GB, 4), nvme_read=7.0 * GB,
+                       nvme_write=3.8 * GB, cores=14)
+    hopper_src = {"link_theoretical": "pcie5", "link_h2d": "pcie5_achieved", "host_memory": "dgx_h100",
+                  "host_bandwidth": "spr_8480", "cores": "spr_8480", "nvme_read": "nvme_dc_gen4",
+                  "nvme_write": "nvme_dc_gen4"}
     out = [
         _preset("a100-pcie", "A100 80GB PCIe in a PCIe Gen4 node (4 GPUs on one EPYC 7763 socket)",
                 device_memory=80 * GB, device_bandwidth=1935 * GB, bf16=312e12, fp32=19.5e12,
@@ -182,19 +189,11 @@ def _presets() -> dict[str, Hardware]:
                      "host_memory": "dgx_a100", "host_bandwidth": "epyc_7763", "cores": "epyc_7763",
                      "nvme_read": "nvme_dc_gen4", "nvme_write": "nvme_dc_gen4"}),
         _preset("h100-sxm", "H100 SXM5 80GB in a DGX H100-like node (PCIe Gen5 host link; 8 GPUs, 2 sockets)",
-                device_memory=80 * GB, device_bandwidth=3350 * GB, bf16=989e12, fp32=67e12,
-                link_theoretical=63 * GB, link_achieved=50 * GB, host_memory=256 * GiB,
-                host_bandwidth=_share(0.7 * 307.2 * GB, 4), nvme_read=7.0 * GB, nvme_write=3.8 * GB, cores=14,
-                src={**dict.fromkeys(gpu, "h100"), "link_theoretical": "pcie5", "link_h2d": "pcie5_achieved",
-                     "host_memory": "dgx_h100", "host_bandwidth": "spr_8480", "cores": "spr_8480",
-                     "nvme_read": "nvme_dc_gen4", "nvme_write": "nvme_dc_gen4"}),
+                device_memory=80 * GB, device_bandwidth=3350 * GB, **hopper_node, src={**hopper_src, **dict.fromkeys(
+                    gpu, "h100")}),
         _preset("h200", "H200 SXM 141GB in a DGX H200-like node (PCIe Gen5 host link; 8 GPUs, 2 sockets)",
-                device_memory=141 * GB, device_bandwidth=4800 * GB, bf16=989e12, fp32=67e12,
-                link_theoretical=63 * GB, link_achieved=50 * GB, host_memory=256 * GiB,
-                host_bandwidth=_share(0.7 * 307.2 * GB, 4), nvme_read=7.0 * GB, nvme_write=3.8 * GB, cores=14,
-                src={**dict.fromkeys(gpu, "h200"), "link_theoretical": "pcie5", "link_h2d": "pcie5_achieved",
-                     "host_memory": "dgx_h100", "host_bandwidth": "spr_8480", "cores": "spr_8480",
-                     "nvme_read": "nvme_dc_gen4", "nvme_write": "nvme_dc_gen4"}),
+                device_memory=141 * GB, device_bandwidth=4800 * GB, **hopper_node, src={**hopper_src, **dict.fromkeys(
+                    gpu, "h200")}),
         _preset("gh200", "GH200 Grace Hopper superchip (H100 96GB, NVLink-C2C to a 72-core Grace)",
                 device_memory=96 * GB, device_bandwidth=4000 * GB, bf16=989e12, fp32=67e12,
                 link_theoretical=450 * GB, link_achieved=0.85 * 450 * GB, host_memory=480 * GB,

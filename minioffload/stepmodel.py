@@ -205,6 +205,7 @@ class _Builder:
         self.forward_s = 2 * n * t / flops
         self.backward_s = (4 + 2 * work.recompute) * n * t / flops
         self.job = None  # delayed update: the background update's last op
+        self.entry = None  # the last step()'s start: every gradient has arrived
         self.state_home = None  # hybrid: the last streamed state copied back to the host
 
     def copy(self, direction: str, nbytes: float, copies: int, name: str, deps, stream: str) -> int:
@@ -251,6 +252,7 @@ class _Builder:
         on_cpu = sorted(self.cpu_groups(groups))
         cpu_params = sum(groups[i][0] for i in on_cpu)
         entry = plan.mark([backward, *grad_copies])  # step(): waits for every gradient copy
+        self.entry = entry
         uploads = []
         if config.delay and self.job is not None:  # send the last update's weights first
             entry = plan.mark([entry, self.job])
@@ -330,6 +332,7 @@ class Prediction:
     exposed: dict[str, float]
     bound: str
     host_memory_s: float = 0.0  # the step's host DRAM traffic over host_bandwidth: a floor on step_s
+    # (when a floor sets step_s, bound is "host memory" and the trace shows the schedule it stretched)
 
     def summary(self) -> str:
         busy = ", ".join(f"{lane} {seconds * 1e3:.1f}" for lane, seconds in self.busy.items())
@@ -358,12 +361,18 @@ def predict(work: Workload, hw: Hardware, config: StepConfig | None = None, step
         if op.lane and op.end > start and op.start < end and op.seconds > 0:
             trace.record(op.lane, op.name, max(op.start, start) - start, min(op.end, end) - start, op.nbytes)
     # Host DRAM is one resource the lanes share: the CPU's passes and every DMA to or from host memory. The
-    # schedule lets them overlap freely; the step can be no shorter than their bytes over its bandwidth.
-    host_bytes = sum(op.host_bytes for op in ops[first_op_of_last_step:])
+    # schedule lets them overlap freely; the step can be no shorter than their bytes over its bandwidth, and a
+    # synchronous update phase (from step() to the next forward) no shorter than its own bytes over it.
+    last_step = ops[first_op_of_last_step:]
     prediction = _prediction(trace, end - start, hw)
-    prediction.host_memory_s = host_bytes / hw.host_bandwidth
-    if prediction.host_memory_s > prediction.step_s:
-        prediction.step_s, prediction.bound = prediction.host_memory_s, "host memory"
+    prediction.host_memory_s = sum(op.host_bytes for op in last_step) / hw.host_bandwidth
+    floor = prediction.host_memory_s
+    if config.offload and not config.delay:
+        entry = ops[builder.entry].end
+        phase_bytes = sum(op.host_bytes for op in last_step if op.start >= entry)
+        floor = max(floor, entry - start + phase_bytes / hw.host_bandwidth)
+    if floor > prediction.step_s:
+        prediction.step_s, prediction.bound = floor, "host memory"
     return prediction
 
 

@@ -10,6 +10,7 @@ whatever torch calls the launched function makes on the current stream.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -70,11 +71,12 @@ class CudaDevice:
         self.trace = trace or Trace()
         self.default_stream = CudaStream("default", torch.cuda.current_stream(self.torch_device))
         self._pending: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event, int]] = []
-        # A reference point on both clocks: host time `_ref_time` is when event `_ref` completed.
+        # A reference point on both clocks: `_ref_time` (time.perf_counter seconds, not trace time: the trace's
+        # origin moves when it is cleared) is when event `_ref` completed.
         self._ref = torch.cuda.Event(enable_timing=True)
         self._ref.record(self.default_stream.stream)
         self._ref.synchronize()
-        self._ref_time = self.trace.now()
+        self._ref_time = time.perf_counter()
         self.closed = False
 
     def stream(self, name: str = "stream") -> CudaStream:
@@ -142,9 +144,10 @@ class CudaDevice:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
+        ref = self._ref_time - self.trace.origin  # the reference on the trace's current clock
         for lane, name, start, end, nbytes in self._pending:
-            t0 = self._ref_time + self._ref.elapsed_time(start) / 1e3
-            t1 = self._ref_time + self._ref.elapsed_time(end) / 1e3
+            t0 = ref + self._ref.elapsed_time(start) / 1e3
+            t1 = ref + self._ref.elapsed_time(end) / 1e3
             self.trace.record(lane, name, t0, max(t0, t1), nbytes)
         self._pending.clear()
 

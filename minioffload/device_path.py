@@ -31,6 +31,8 @@ class DevicePath:
         parts = iter(flat.split([sub.numel for sub in resident for _ in range(4)] + [largest] * 8))
         for sub in resident:
             sub.buffers = {name: next(parts) for name in (*STATE, "grad")}
+            sub.buffers["exp_avg"].zero_()  # device memory from empty() is uninitialised on a GPU: the moments
+            sub.buffers["exp_avg_sq"].zero_()  # start at zero (the master is copied in, the gradient gathered)
         if largest:
             self.scratch = [{name: next(parts) for name in (*STATE, "grad")} for _ in range(2)]
             self.state_in, self.state_out = dev.stream("state h2d"), dev.stream("state d2h")

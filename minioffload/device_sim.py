@@ -31,6 +31,7 @@ CPU; `duration=` pads it to a modelled kernel time when the chapter wants copy a
 from __future__ import annotations
 
 import math
+import os
 import queue
 import random
 import sys
@@ -177,12 +178,16 @@ class SimDevice:
 
     def __init__(self, memory_bytes: int = 4 * GiB, h2d: Link = SLOW_LINK, d2h: Link = SLOW_LINK,
                  pageable_slowdown: float = 2.0, jitter: float = 0.0, seed: int | None = None,
-                 trace: Trace | None = None, switch_interval: float = 1e-4, adam_rate: float = 1e9):
+                 trace: Trace | None = None, switch_interval: float = 1e-4, adam_rate: float = 1e9,
+                 strict: bool | None = None):
         if pageable_slowdown < 1 or jitter < 0:
             raise ValueError(f"need pageable_slowdown >= 1 and jitter >= 0, got {pageable_slowdown}, {jitter}")
         if not 0 < adam_rate < math.inf:
             raise ValueError(f"adam_rate (params/s of a device-side Adam) must be positive and finite, got {adam_rate}")
         self.adam_rate = adam_rate  # a device-side Adam of n params is modelled to take n / adam_rate seconds
+        # strict: behave as a GPU punishes mistakes; empty() hands out NaN-filled memory, as uninitialised device
+        # memory may hold anything. Default: on when MINIOFFLOAD_SIM_STRICT=1 (the test suite sets it).
+        self.strict = os.environ.get("MINIOFFLOAD_SIM_STRICT") == "1" if strict is None else strict
         self.memory = DeviceMemory(memory_bytes)
         self.ledger = self.memory.ledger
         self.trace = trace or Trace()
@@ -235,9 +240,12 @@ class SimDevice:
     # memory -----------------------------------------------------------------------------------
     def empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.float32,
               name: str = "tensor") -> torch.Tensor:
-        """A zero-filled device tensor, counted in `ledger` until it is garbage collected."""
+        """A device tensor, counted in `ledger` until it is garbage collected. Zero-filled (resident memory), or
+        NaN-filled with `strict`: a GPU's empty() is uninitialised, so code must write before it reads."""
         shape, key = self.memory.reserve(shape, dtype, name)
-        return self.memory.track(torch.zeros(shape, dtype=dtype), key)  # zeros: device memory is resident
+        if self.strict and dtype.is_floating_point:
+            return self.memory.track(torch.full(shape, float("nan"), dtype=dtype), key)
+        return self.memory.track(torch.zeros(shape, dtype=dtype), key)
 
     def host_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.float32,
                    pinned: bool = True) -> torch.Tensor:

@@ -96,7 +96,9 @@ def device_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     one thread of the calling stream's own (numba's thread count is per thread), so the simulated device
     uses one core and leaves the others to the CPU Adam instead of competing for them."""
     if master.is_cuda:
-        steps = [torch.tensor(float(step), device=master.device)]
+        # torch.full fills on the device (a kernel); torch.tensor(step, device=...) would copy from pageable
+        # memory, which blocks the host and so the CPU update that should run beside this one
+        steps = [torch.full((), float(step), dtype=torch.float32, device=master.device)]
         torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], steps, lr=lr, beta1=betas[0],
                             beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
         return

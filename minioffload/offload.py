@@ -337,6 +337,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def _send_delayed_weights(self) -> None:
         self._wait_for_update()
         if self._unsent:
+            self.dev.stream_waits_for_compute(self.h2d)  # backward may still read the weights these overwrite
             for slot in self._unsent:
                 self.dev.copy(slot.param.data, self._staging(slot, "upload"), self.h2d, name="h2d weights")
             self._unsent = []
@@ -425,6 +426,8 @@ class OffloadAdam(torch.optim.Optimizer):
         return slot.view(slot.subgroup.buffers["master"]).view(slot.param.shape)
 
     def _upload(self, slots: list[_Slot]) -> None:
+        if slots:
+            self.dev.stream_waits_for_compute(self.h2d)  # never overwrite weights that queued compute still reads
         for slot in slots:
             master = self._master(slot)
             if slot.param.dtype == torch.float32:

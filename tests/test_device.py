@@ -37,6 +37,8 @@ def test_unknown_kind_is_refused():
 def test_work_on_one_stream_runs_in_order(dev):
     stream = dev.stream("s")
     x = dev.empty(1)
+    x.zero_()  # device memory from empty() is uninitialised (NaN on the strict sim)
+    dev.stream_waits_for_compute(stream)  # the zero_ ran on the compute stream
     for k in range(50):  # x = 10*x + k mod 1000: any reordering changes the result
         dev.launch(stream, lambda k=k: x.mul_(10).add_(k).remainder_(1000))
     dev.synchronize()

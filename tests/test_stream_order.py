@@ -3,12 +3,10 @@ may still read them). The sim runs compute on the host, so such a race cannot sh
 tests record the engine's device calls and check the order instead."""
 
 import pytest
-import torch
+from test_offload import HYPER, Toy, batch, loss_of, on_sim
 
 from minioffload.device import device
 from minioffload.offload import OffloadAdam
-
-from test_offload import HYPER, Toy, batch, loss_of, on_sim
 
 
 def recorded(dev, params):

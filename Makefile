@@ -17,7 +17,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 NBVAL := $(BIN)/python -m pytest -p no:cacheprovider --nbval --nbval-cell-timeout=600 --nbval-sanitize-with tests/nbval_sanitize.cfg
 NOTEBOOKS := book/chapters exercises/solutions
 
-.PHONY: book book-stored test lab labs lint bench fio clean
+.PHONY: book book-stored test lab labs lint bench fio gpu clean
 
 $(VENV_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -75,6 +75,13 @@ fio:
 	@command -v fio >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio >/dev/null; } || \
 	  echo "fio is not installed and could not be (needs root and apt-get): bench/swapper.py leaves its rows out"
+
+# CuPy for the CUDA that the installed torch was built for (cupy-cuda12x or cupy-cuda13x); needs a CUDA build of torch.
+gpu: $(VENV_STAMP)
+	@major=$$($(BIN)/python -c "import torch; print((torch.version.cuda or '').split('.')[0])"); \
+	[ -n "$$major" ] || { echo "this torch has no CUDA build: install one first (see README, On a CUDA machine)"; exit 2; }; \
+	echo "torch is built for CUDA $$major: installing the gpu-cuda$$major extra"; \
+	$(BIN)/python -m pip install --quiet -e ".[gpu-cuda$$major]"
 
 clean:
 	rm -rf book/_build book/_vendor .cache

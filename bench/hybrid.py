@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import interleaved, stats, write  # noqa: E402
 
-from minioffload import hybrid  # noqa: E402
+from minioffload import hardware, hybrid  # noqa: E402
 from minioffload.adam import set_threads  # noqa: E402
 from minioffload.device import Link, device  # noqa: E402
 from minioffload.offload import OffloadAdam  # noqa: E402
@@ -75,8 +75,8 @@ def main() -> int:
     kind = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "sim")
     rounds = 3 if args.quick else 7
     tensors, numel = (12, 1 << 19) if args.quick else (24, 1 << 20)
-    if kind == "cuda":
-        tensors, numel = 48, 1 << 22  # ~200M params: long enough to time on a GPU server
+    if kind == "cuda":  # long enough to time on a GPU server; every split holds its own pinned state (~20 B/param)
+        tensors, numel = (24, 1 << 21) if args.quick else (48, 1 << 22)
     else:
         set_threads(args.cpu_threads)
     link = Link(bandwidth=args.link_gbps * 1e9)
@@ -95,9 +95,11 @@ def main() -> int:
     cpu_only = medians["cpu only"]
     cpu_rate = params / cpu_only
     device_rate = hybrid.link_rate(args.link_gbps * 1e9) if kind == "sim" else None
-    if kind == "cuda":
-        link_gbps = 25.0  # PCIe Gen4 x16 per direction, pinned; the model's r_g on a GPU server
-        device_rate = hybrid.link_rate(link_gbps * 1e9)
+    if kind == "cuda":  # the model's r_g from this GPU's link, measured: a pinned 256 MiB copy each way
+        with device("cuda") as dev:
+            link_bytes_per_s = min(hardware.copy_bandwidth(dev, [256 << 20], True, direction)[0]["bytes_per_s"]
+                                   for direction in ("h2d", "d2h"))
+        device_rate = hybrid.link_rate(link_bytes_per_s)
     predicted = hybrid.best_split(cpu_rate, device_rate)
     rows = []
     print(f"update phase of {params / 1e6:.1f}M params in {tensors} subgroups on the {kind} device"
@@ -129,7 +131,7 @@ def main() -> int:
                 "model_relative_error_measured_rates": abs(best["update_s"]["median"] - with_measured) / with_measured,
                 "best_static_speedup": max(row["speedup_vs_cpu_only"] for row in static),
                 "cpu_rate_params_per_s": cpu_rate, "device_rate_params_per_s": device_rate, "device": kind,
-                "link_GBps": args.link_gbps if kind == "sim" else None}
+                "link_GBps": args.link_gbps if kind == "sim" else link_bytes_per_s / 1e9}
     print("headline:", ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in headline.items()))
     config = {"tensors": tensors, "numel": numel, "rounds": rounds, "quick": args.quick,
               "cpu_threads": args.cpu_threads if kind == "sim" else None}

@@ -61,6 +61,17 @@ def torchao_offload(params, lr):
     return CPUOffloadOptimizer(params, torch.optim.AdamW, offload_gradients=True, fused=True, lr=lr)
 
 
+def timed(dev, kind: str, name: str, fn):
+    """fn() as a span on the compute lane. On the sim its compute is the host's, so a host span times it; on a GPU a
+    host span would time the kernel launches, not the kernels, so CUDA events bracket it (dev.launch)."""
+    if kind != "cuda":
+        with dev.trace.span("compute", name):
+            return fn()
+    result = {}
+    dev.launch(None, lambda: result.setdefault("value", fn()), name=name)
+    return result["value"]
+
+
 def make_run(kind: str, preset: str, optimizer: str, subgroup_numel: int, link: Link, batch_size: int,
              block_size: int, delay: int | None = None):
     """One training step as a function (for `interleaved`), its device, and the model's size; None when the
@@ -92,10 +103,8 @@ def make_run(kind: str, preset: str, optimizer: str, subgroup_numel: int, link: 
         dev.trace.clear()
         dev.synchronize()
         start = time.perf_counter()
-        with dev.trace.span("compute", "forward"):
-            _, loss = model(x, y)
-        with dev.trace.span("compute", "backward"):
-            loss.backward()
+        _, loss = timed(dev, kind, "forward", lambda: model(x, y))
+        timed(dev, kind, "backward", loss.backward)
         opt.step()  # with delayed updates, the CPU Adam runs on into the next step's forward and backward
         opt.zero_grad()
         dev.synchronize()

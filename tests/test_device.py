@@ -225,3 +225,17 @@ def test_a_tensor_freed_while_the_ledger_lock_is_held_does_not_deadlock():
         worker.start()
         assert done.wait(5), "freeing a device tensor inside the ledger's lock deadlocked"
         assert dev.ledger.used("device") == 0
+
+
+def test_spans_after_clearing_the_trace_are_on_its_new_clock(dev):
+    # bench scripts clear the trace every step; copy spans must still line up with the host's spans
+    dev.synchronize()
+    dev.trace.clear()
+    host = dev.host_empty(1 << 16)
+    on_device = dev.empty(1 << 16)
+    before = dev.trace.now()
+    dev.copy(on_device, host, dev.stream("h2d"))
+    dev.synchronize()
+    after = dev.trace.now()
+    (span,) = [s for s in dev.trace.spans if s.lane == "h2d"]
+    assert before - 1e-3 <= span.start <= span.end <= after + 1e-3

@@ -42,7 +42,9 @@ from collections.abc import Callable
 import torch
 
 from .device import DeviceMemory, Link, check_copy, lane_of
+from .hazards import Checker, HazardError, tensors_in
 from .memory import GiB
+from .nvme import checksum
 from .pinned import aligned_empty, is_pinned
 from .trace import Trace
 
@@ -74,6 +76,8 @@ class SimEvent:
         with self._cond:
             self._recorded += 1
             generation = self._recorded
+        if self._dev.hazards:
+            self._dev.hazards.record(self, stream)
         stream._enqueue(lambda floor: self._fire(generation, floor))
 
     def _fire(self, generation: int, at: float) -> float:
@@ -109,6 +113,8 @@ class SimEvent:
         if not self._wait_for(self._target("the host"), timeout):
             raise TimeoutError(f"event not reached within {timeout} s: is its stream waiting on something that "
                                "never happens?")
+        if self._dev.hazards:
+            self._dev.hazards.host_waits(getattr(self, "_clock", {}))
         self._dev._raise_stream_error()
 
     def elapsed_ms(self, end: SimEvent) -> float:
@@ -123,6 +129,7 @@ class SimStream:
 
     def __init__(self, dev: SimDevice, name: str):
         self.name, self._dev = name, dev
+        self._agent = f"{name} #{len(dev._streams)}"  # unique: the hazard checker's name for this stream
         self._queue: queue.Queue[tuple[Callable[[float], float], float] | None] = queue.Queue()
         self._model_time = 0.0  # model time (time.perf_counter seconds) at which this stream's last op ended
         self._thread = threading.Thread(target=self._run, name=f"sim-stream-{name}", daemon=True)
@@ -154,6 +161,8 @@ class SimStream:
     def wait(self, event: SimEvent) -> None:
         """Work enqueued on this stream after this call starts only once `event` is reached."""
         generation = event._target(f"stream {self.name!r}")
+        if self._dev.hazards:
+            self._dev.hazards.stream_waits(self, event)
 
         def wait_op(floor: float) -> float:
             event._wait_for(generation, None)
@@ -163,6 +172,8 @@ class SimStream:
 
     def synchronize(self) -> None:
         self._queue.join()
+        if self._dev.hazards:
+            self._dev.hazards.host_waits(getattr(self, "_clock", {}))
         self._dev._raise_stream_error()
 
     def __repr__(self) -> str:
@@ -189,6 +200,7 @@ class SimDevice:
         # memory may hold anything. Default: on when MINIOFFLOAD_SIM_STRICT=1 (the test suite sets it).
         self.strict = os.environ.get("MINIOFFLOAD_SIM_STRICT") == "1" if strict is None else strict
         self.memory = DeviceMemory(memory_bytes)
+        self.hazards = Checker(self._describe) if self.strict else None  # hazards.py: missing waits raise
         self.ledger = self.memory.ledger
         self.trace = trace or Trace()
         self.links = {"h2d": h2d, "d2h": d2h}
@@ -221,6 +233,9 @@ class SimDevice:
         """Wait for all work on all streams; raise the first error any of it hit."""
         for s in self._streams:
             s._queue.join()
+        if self.hazards:
+            for s in self._streams:
+                self.hazards.host_waits(getattr(s, "_clock", {}))
         self._raise_stream_error()
 
     def _random_delay(self) -> float:
@@ -255,6 +270,11 @@ class SimDevice:
             return torch.empty(shape, dtype=dtype)
         return aligned_empty(math.prod(shape) * torch.empty(0, dtype=dtype).element_size()).view(dtype).view(shape)
 
+    def _describe(self, tensor: torch.Tensor) -> str:
+        key = self.memory._held.get(tensor.untyped_storage().data_ptr())
+        where = f"device tensor {key!r}" if key else "pinned host buffer" if is_pinned(tensor) else "host tensor"
+        return f"{where} ({tuple(tensor.shape)} {tensor.dtype})"
+
     def is_device(self, tensor: torch.Tensor) -> bool:
         return self.memory.holds(tensor)
 
@@ -265,6 +285,8 @@ class SimDevice:
     # the host thread is the sim's compute stream: autograd and the forward run there -------------
     def stream_waits_for_compute(self, stream: SimStream) -> None:
         """Make `stream` wait for the compute issued so far. On the sim, compute has already run."""
+        if self.hazards:
+            self.hazards.stream_waits_for_host(stream)
 
     def compute_waits_for(self, event: SimEvent) -> None:
         """Make the next compute wait for `event`: on the sim, the host blocks until it is reached."""
@@ -289,6 +311,12 @@ class SimDevice:
         engine = self._engines.get(direction)
         stream = stream or self.default_stream
         label = name or direction
+        watch_source = poison = False
+        if self.hazards:
+            clock = self.hazards.issue(stream)
+            self.hazards.access(stream, clock, [src], [dst], f"the {direction} copy {label!r}")
+            watch_source = direction == "h2d" and pinned  # the host must not write it while the copy runs
+            poison = direction == "d2h" and pinned and dst.dtype.is_floating_point  # nor read it before it lands
 
         def op(floor: float) -> float:
             if engine:
@@ -296,9 +324,17 @@ class SimDevice:
             try:
                 start = max(floor, self._engine_free.get(direction, 0.0))
                 _sleep_until(start)
+                if poison:  # NaN while the copy runs, the bytes at its end: a host read before it syncs sees NaN
+                    dst.fill_(float("nan"))
+                    _sleep_until(start + seconds)
                 dst.copy_(src)
+                read = checksum(src) if watch_source else None
                 end = max(start + seconds, time.perf_counter())  # later only if the real copy was slower
                 _sleep_until(end)
+                if read is not None and checksum(src) != read:  # a GPU's DMA reads the source until `end`
+                    raise HazardError(f"the h2d copy {label!r} on stream {stream.name!r}: the host wrote its pinned "
+                                      "source while the copy was in flight. Wait for the copy (an event after it, "
+                                      "then event.synchronize()) before writing the buffer again")
                 if engine:
                     self._engine_free[direction] = end
                 origin = self.trace.origin
@@ -323,6 +359,10 @@ class SimDevice:
         """Run fn(*args, **kwargs) on `stream`; `duration` pads it to a modelled kernel time (s)."""
         if not callable(fn):
             raise TypeError(f"launch needs a function, got {type(fn).__name__}")
+        if self.hazards:  # its tensor arguments count as read and written
+            target = stream or self.default_stream
+            self.hazards.access(target, self.hazards.issue(target), [],
+                                tensors_in([*args, *kwargs.values()]), f"the launch {name!r}")
 
         def op(floor: float) -> float:
             _sleep_until(floor)

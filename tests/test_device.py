@@ -195,7 +195,7 @@ def _chunks(dev, count=8, numel=1 << 14):
 def _correct(waits, trials=20, jitter=2e-3):
     ok = 0
     for seed in range(trials):
-        with device("sim", jitter=jitter, seed=seed) as jittery:
+        with device("sim", jitter=jitter, seed=seed, strict=False) as jittery:  # jitter alone: no hazard checker
             chunks_in, chunks_out = _chunks(jittery)
             pipeline.overlapped(jittery, chunks_in, chunks_out, triple_plus_one, waits=waits)
             expected = pipeline.reference(chunks_in, triple_plus_one)

@@ -133,7 +133,9 @@ def _run_pipeline(fn: Callable, kernel: Callable, kernel_seconds: float | None, 
     expected = pipeline.reference(chunks_in, _double)  # the slow kernel computes the same
     for chunk in chunks_out:
         chunk.fill_(SENTINEL)
-    with sim_device(**options) as dev:
+    # not strict: this grader lets a missing wait run (with jitter) to name it from the trace in the lab's words;
+    # the strict sim's hazard checker would stop at the first unordered copy with the streams' names instead
+    with sim_device(strict=False, **options) as dev:
         fn(dev, chunks_in, chunks_out, kernel, kernel_seconds)
         k = _first_wrong(chunks_out, expected)
         if k is not None:
@@ -245,7 +247,7 @@ def _check_slice(run: Callable, kernel: Callable, num_chunks: int, what: str, **
     expected = pipeline.reference(chunks_in[:num_chunks], _double)
     for chunk in chunks_out:
         chunk.fill_(SENTINEL)
-    with sim_device(**options) as dev:
+    with sim_device(strict=False, **options) as dev:  # not strict: see _run_pipeline
         run(dev, chunks_in, chunks_out, kernel, None)
     k = _first_wrong(chunks_out[:num_chunks], expected)
     assert k is None, f"{what}: chunk {k} {_describe(chunks_out[k], expected, k)}, expected 2 * input"

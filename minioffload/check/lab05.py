@@ -240,7 +240,9 @@ def _broken_rule(trace) -> str | None:
 
 def _streamed_run(fn: Callable, what: str, **options):
     """Run fn on a fresh sim device; check the host state against serial updates; return the trace."""
-    with sim_device(**options) as dev:
+    # not strict: this grader lets a missing wait run (slow device Adam, jitter) to name it from the trace in the
+    # lab's words; the strict sim's hazard checker would stop at the first unordered copy with stream names instead
+    with sim_device(strict=False, **options) as dev:
         subgroups, grads = _problem(dev)
         expected = _serial(subgroups, grads)
         for grad in grads:

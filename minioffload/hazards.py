@@ -1,0 +1,133 @@
+"""The simulated device's hazard checker: the course's compute-sanitizer for stream ordering.
+
+A GPU runs the work of different streams in any order unless an event orders it; the sim, whose threads are
+kind, often runs it in the "right" order anyway, so a missing wait passes here and corrupts data on a GPU.
+In strict mode (`SimDevice(strict=True)`) every copy and launch is checked when it is issued:
+
+* **streams**: work on one stream that writes bytes another stream's work may still read or write (or reads
+  bytes it may still write), with no event wait between them, raises `HazardError` naming both streams, the
+  tensor and the wait to add;
+* **pinned buffers**: a device-to-host copy fills its pinned destination with NaN while it runs and writes the
+  bytes at its end, so a host that reads it while the copy runs reads NaN; a host-to-device copy checks that its
+  pinned source did not change while the copy ran (the host wrote it while the DMA could still read it), and
+  fails the stream if it did. Neither sees the host act between issue and start: the sim cannot tell that from
+  device-side work an event orders before the copy (the vector clocks see that work, not the host's).
+
+How "may still" is decided: vector clocks. Each stream counts its ops; an event carries the clock of its stream
+when recorded; `stream.wait(event)` merges it; the host's clock holds what it has waited for (an event, a
+stream, the device); an op issued after the host waited for some work is ordered after it, as on a GPU.
+
+What this is not: a checker of the host's own reads and writes of device memory (the sim's compute is the host
+itself), nor of launches' inner accesses beyond their tensor arguments (taken as read and written).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+
+class HazardError(RuntimeError):
+    """Work that a GPU could run in the wrong order: the message names the streams, the tensor and the fix."""
+
+
+def merge(a: dict, b: dict) -> dict:
+    return {k: max(a.get(k, 0), b.get(k, 0)) for k in a.keys() | b.keys()}
+
+
+def ordered_before(stamp: dict, clock: dict) -> bool:
+    """Is work stamped `stamp` (one agent's count) known to be done before work with `clock`?"""
+    (agent, count), = stamp.items()
+    return clock.get(agent, 0) >= count
+
+
+@dataclass
+class _Access:
+    lo: int
+    hi: int
+    agent: str
+    stamp: dict  # {agent: count}
+    writes: bool
+    what: str
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    start = tensor.data_ptr()
+    return start, start + tensor.numel() * tensor.element_size()
+
+
+def tensors_in(values) -> list[torch.Tensor]:
+    """The tensors among launch arguments (in lists, tuples, dict values and objects' tensors, one level)."""
+    found = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, dict):
+            found += tensors_in(value.values())
+        elif isinstance(value, (list, tuple)):
+            found += tensors_in(value)
+    return found
+
+
+class Checker:
+    """Vector clocks of the host and of each stream, and the recent accesses to device and pinned memory."""
+
+    def __init__(self, describe):
+        self._describe = describe  # tensor -> a name for messages
+        self._lock = threading.Lock()
+        self.host: dict = {}
+        self._accesses: list[_Access] = []
+
+    # clocks -----------------------------------------------------------------------------------
+    def issue(self, stream) -> dict:
+        """Count one op on `stream`; returns its clock (the op's own stamp is clock[stream.name])."""
+        with self._lock:
+            clock = merge(getattr(stream, "_clock", {}), self.host)  # what the host waited for is done
+            clock[stream._agent] = clock.get(stream._agent, 0) + 1
+            stream._clock = clock
+            return dict(clock)
+
+    def record(self, event, stream) -> None:
+        with self._lock:
+            event._clock = merge(getattr(stream, "_clock", {}), self.host)
+
+    def stream_waits(self, stream, event) -> None:
+        with self._lock:
+            stream._clock = merge(getattr(stream, "_clock", {}), getattr(event, "_clock", {}))
+
+    def host_waits(self, clock: dict) -> None:
+        with self._lock:
+            self.host = merge(self.host, clock)
+            # work the host has waited for is ordered before everything issued from now on
+            self._accesses = [a for a in self._accesses if not ordered_before(a.stamp, self.host)]
+
+    def stream_waits_for_host(self, stream) -> None:
+        with self._lock:
+            stream._clock = merge(getattr(stream, "_clock", {}), self.host)
+
+    # accesses ---------------------------------------------------------------------------------
+    def access(self, stream, clock: dict, reads: list[torch.Tensor], writes: list[torch.Tensor], op: str) -> None:
+        """Check an op's reads and writes against earlier unordered ones; raise HazardError, or remember them."""
+        stamp = {stream._agent: clock[stream._agent]}
+        new = [(t, False) for t in reads] + [(t, True) for t in writes]
+        with self._lock:
+            for tensor, writes_it in new:
+                lo, hi = _span(tensor)
+                if lo == hi:
+                    continue
+                for old in self._accesses:
+                    if old.agent == stream._agent or old.hi <= lo or hi <= old.lo or not (writes_it or old.writes):
+                        continue
+                    if not ordered_before(old.stamp, clock):
+                        raise HazardError(
+                            f"{op} on stream {stream.name!r} {'writes' if writes_it else 'reads'} "
+                            f"{self._describe(tensor)}, which {old.what} on stream {old.agent!r} may still "
+                            f"{'write' if old.writes else 'read'}: nothing orders that work before this. Record "
+                            f"an event on {old.agent!r} after it and call stream.wait(event) on "
+                            f"{stream.name!r} (or wait for it on the host) before issuing this")
+            for tensor, writes_it in new:
+                lo, hi = _span(tensor)
+                if lo < hi:
+                    self._accesses.append(_Access(lo, hi, stream._agent, stamp, writes_it, op))

@@ -362,7 +362,8 @@ class SimDevice:
         if self.hazards:  # its tensor arguments count as read and written
             target = stream or self.default_stream
             self.hazards.access(target, self.hazards.issue(target), [],
-                                tensors_in([*args, *kwargs.values()]), f"the launch {name!r}")
+                                tensors_in([*args, *kwargs.values()]),
+                                f"the launch {name!r} (its tensor arguments count as read and written)")
 
         def op(floor: float) -> float:
             _sleep_until(floor)

@@ -7,7 +7,7 @@
 
 The step is built as the runtime runs it: a list of operations, each on a lane ("compute", "d2h", "h2d",
 "cpu", "nvme_read", "nvme_write"), with a duration from the hardware profile and the operations it waits
-for. A small scheduler places each operation at the earliest time its inputs are ready and its resource is
+for. A list scheduler (schedule.py) places each operation at the earliest time its inputs are ready and its resource is
 free. Durations, per operation:
 
     forward  2 N T / (peak x mfu)          backward  4 N T / (peak x mfu)  (+ 2 N T for a recomputed forward)
@@ -29,13 +29,12 @@ ignores Python overheads, caches, and everything the profile does not name.
 
 from __future__ import annotations
 
-import heapq
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .hybrid import STATE_BYTES_PER_PARAM, device_subgroups
 from .memory import PRECISIONS
 from .profiles import ADAM_BYTES_PER_PARAM, Hardware
+from .schedule import Plan, schedule
 from .trace import Trace, union_length
 
 # Bytes per parameter of the host passes the engine makes besides Adam (offload.py):
@@ -109,77 +108,12 @@ class StepConfig:
         device_subgroups(1, self.gpu_fraction, self.stride)  # range checks, with the engine's messages
 
 
-@dataclass
-class _Op:
-    lane: str
-    name: str
-    seconds: float
-    deps: list[int]
-    nbytes: int = 0
-    host_bytes: float = 0.0  # bytes it moves through host DRAM (CPU passes, and DMA to or from host memory)
-    start: float = math.nan
-    end: float = math.nan
-
-
-@dataclass
-class _Plan:
-    """Operations in issue order; `stream` chains give in-order queues (each op waits for the previous one)."""
-
-    ops: list[_Op] = field(default_factory=list)
-    last_in_stream: dict[str, int] = field(default_factory=dict)
-
-    def add(self, lane: str, name: str, seconds: float, deps=(), nbytes: int = 0, stream: str | None = None,
-            host_bytes: float = 0.0) -> int:
-        deps = [d for d in deps if d is not None]
-        if stream is not None and stream in self.last_in_stream:
-            deps.append(self.last_in_stream[stream])
-        self.ops.append(_Op(lane, name, max(0.0, seconds), deps, int(nbytes), host_bytes))
-        index = len(self.ops) - 1
-        if stream is not None:
-            self.last_in_stream[stream] = index
-        return index
-
-    def mark(self, deps) -> int:
-        """A zero-length point that waits for `deps` (a host wait)."""
-        return self.add("", "mark", 0.0, deps)
-
-
 def _resource(lane: str, hw: Hardware) -> str:
     if lane in ("nvme_read", "nvme_write"):
         return "nvme"  # one drive: reads and writes share it
     if hw.shared_host and lane in ("compute", "cpu"):
         return "host"
     return lane
-
-
-def _schedule(plan: _Plan, hw: Hardware) -> None:
-    """Place every op at the earliest time its deps are done and its resource is free (ready ops first,
-    ties in issue order), like stream workers that take a free engine as soon as their input is there."""
-    remaining = [len(op.deps) for op in plan.ops]
-    users: list[list[int]] = [[] for _ in plan.ops]
-    for i, op in enumerate(plan.ops):
-        for d in op.deps:
-            users[d].append(i)
-    free: dict[str, float] = {}
-    ready = [(0.0, i) for i, op in enumerate(plan.ops) if not op.deps]
-    heapq.heapify(ready)
-    while ready:
-        at, i = heapq.heappop(ready)
-        op = plan.ops[i]
-        resource = _resource(op.lane, hw) if op.lane else None
-        start = max(at, free.get(resource, 0.0)) if resource else at
-        if resource and start > at:  # the resource is busy: come back when it is free
-            heapq.heappush(ready, (start, i))
-            continue
-        op.start, op.end = start, start + op.seconds
-        if resource:
-            free[resource] = op.end
-        for u in users[i]:
-            remaining[u] -= 1
-            if not remaining[u]:
-                heapq.heappush(ready, (max(plan.ops[d].end for d in plan.ops[u].deps), u))
-    if any(math.isnan(op.end) for op in plan.ops):
-        raise RuntimeError("the step model's plan has a cycle; this is a bug in stepmodel.py")
 
 
 def _subgroups(work: Workload, numel: int) -> list[tuple[int, int]]:
@@ -199,7 +133,7 @@ class _Builder:
     """The operations of one step of each configuration, in the runtime's order."""
 
     def __init__(self, work: Workload, hw: Hardware, config: StepConfig):
-        self.work, self.hw, self.config, self.plan = work, hw, config, _Plan()
+        self.work, self.hw, self.config, self.plan = work, hw, config, Plan()
         flops = hw.peak_flops(work.precision) * config.mfu
         n, t = work.num_params, work.tokens
         self.forward_s = 2 * n * t / flops
@@ -353,7 +287,7 @@ def predict(work: Workload, hw: Hardware, config: StepConfig | None = None, step
         first_op_of_last_step = len(builder.plan.ops)
         after = builder.step(after)
         ends.append(after)
-    _schedule(builder.plan, hw)
+    schedule(builder.plan, lambda lane: _resource(lane, hw))
     ops = builder.plan.ops
     start, end = ops[ends[-2]].end, ops[ends[-1]].end
     trace = Trace(origin=0.0)

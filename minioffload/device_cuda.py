@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from .device import DeviceMemory, check_copy, lane_of
-from .memory import OutOfMemoryError
+from .device_common import DeviceMemory, check_copy, lane_of, parameters_of
+from .ledger import OutOfMemoryError
 from .trace import Trace
 
 
@@ -62,6 +62,7 @@ class CudaStream:
 
 class CudaDevice:
     kind = "cuda"
+    adam_rate = None  # device work is measured, not modelled
 
     def __init__(self, index: int = 0, trace: Trace | None = None):
         self.torch_device = torch.device("cuda", index)
@@ -107,6 +108,34 @@ class CudaDevice:
         if tensor.device.type != "cuda":
             raise ValueError(f"{name} is on {tensor.device}; move it with .to('cuda') before adopting it")
         return self.memory.adopt(tensor, name)
+
+    def place(self, model, name: str = "param"):
+        """Move a model (or an iterable of parameters, in place) to the GPU and count it in `ledger`; returns
+        the module, or the tensors as a list."""
+        if isinstance(model, torch.nn.Module):
+            model.to(self.torch_device)
+        tensors = parameters_of(model)
+        for t in tensors:
+            if t.device.type != "cuda":
+                t.data = t.data.to(self.torch_device)
+            self.adopt(t, name)
+        return model if isinstance(model, torch.nn.Module) else tensors
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of `tensor` on the GPU (a batch of inputs), made on torch's current stream."""
+        return tensor.to(self.torch_device)
+
+    def keep_alive(self, tensor: torch.Tensor, stream: CudaStream) -> None:
+        """Keep the caching allocator from handing `tensor`'s memory out again before the work queued on
+        `stream` so far has run (it only tracks the stream the tensor was made on)."""
+        tensor.record_stream(stream.stream)
+
+    def timed(self, name: str, fn: Callable, lane: str = "compute"):
+        """Run fn() on torch's current stream, timed by CUDA events (recorded into the trace at synchronize());
+        returns its result."""
+        out = []
+        self.launch(self.default_stream, lambda: out.append(fn()), name=name, lane=lane)
+        return out[0]
 
     def stream_waits_for_compute(self, stream: CudaStream) -> None:
         """Make `stream` wait for the work already queued on torch's current stream (e.g. backward)."""

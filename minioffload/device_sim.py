@@ -41,12 +41,12 @@ from collections.abc import Callable
 
 import torch
 
-from .device import DeviceMemory, Link, check_copy, lane_of
+from .device_common import DeviceMemory, Link, check_copy, lane_of, parameters_of
 from .hazards import Checker, HazardError, tensors_in
-from .memory import GiB
 from .nvme import checksum
 from .pinned import aligned_empty, is_pinned
 from .trace import Trace
+from .units import GiB
 
 SLOW_LINK = Link(bandwidth=2e9, latency=10e-6)  # a small GPU on a slow link: MiB-sized copies take ms
 _open_devices = 0  # how many SimDevices hold the short switch interval
@@ -281,6 +281,29 @@ class SimDevice:
     def adopt(self, tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
         """Count an existing CPU tensor as device memory (a model "moved to" the sim device)."""
         return self.memory.adopt(tensor, name)
+
+    def place(self, model, name: str = "param"):
+        """Put a model (or an iterable of parameters) on the device, and count it there; returns what it put:
+        the module, or the tensors as a list. On the sim its memory stays where it is (host memory plays the
+        device's), so placing is counting."""
+        tensors = parameters_of(model)
+        for t in tensors:
+            self.adopt(t, name)
+        return model if isinstance(model, torch.nn.Module) else tensors
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor the device's compute can read (a batch of inputs): on the sim, the tensor itself."""
+        return tensor
+
+    def keep_alive(self, tensor: torch.Tensor, stream: SimStream) -> None:
+        """Keep `tensor`'s memory from being reused until the work queued on `stream` so far has run. On the
+        sim the queued work holds a reference to it, which is enough."""
+
+    def timed(self, name: str, fn: Callable, lane: str = "compute"):
+        """Run fn() as compute (the host thread is the sim's compute stream), recorded as a span on `lane`;
+        returns its result."""
+        with self.trace.span(lane, name):
+            return fn()
 
     # the host thread is the sim's compute stream: autograd and the forward run there -------------
     def stream_waits_for_compute(self, stream: SimStream) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from numba import prange
 
-from .memory import MiB
+from .units import MiB
 
 
 def _median_seconds(fn, repeats: int) -> float:

@@ -28,7 +28,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from .memory import GB, GiB
+from .units import GB, GiB
 
 # Figures every profile has, with their units (for messages and tables).
 FIGURES = {
@@ -251,7 +251,7 @@ def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quic
     import torch
 
     from . import hardware
-    from .device import Link
+    from .device_common import Link
     from .device_sim import SLOW_LINK, SimDevice
 
     link = link_bandwidth or SLOW_LINK.bandwidth

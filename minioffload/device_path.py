@@ -16,7 +16,7 @@ What this is not: the choice of subgroups or the model of the split (hybrid.py),
 from __future__ import annotations
 
 from . import hybrid
-from .nvme_tier import STATE
+from .layout import STATE, Where
 
 
 class DevicePath:
@@ -24,8 +24,8 @@ class DevicePath:
         self.dev = dev
         self.scratch: list[dict] = []
         self.done: list = []  # events of the last queue(): weights written; streamed state home again
-        resident = [sub for sub in subgroups if sub.where == "resident"]
-        largest = max((sub.numel for sub in subgroups if sub.where == "streamed"), default=0)
+        resident = [sub for sub in subgroups if sub.where == Where.RESIDENT]
+        largest = max((sub.numel for sub in subgroups if sub.where == Where.STREAMED), default=0)
         # one allocation: a split that does not fit raises here, before anything is held or moved
         flat = dev.empty(4 * (sum(sub.numel for sub in resident) + 2 * largest), name="optimizer state on the device")
         parts = iter(flat.split([sub.numel for sub in resident for _ in range(4)] + [largest] * 8))
@@ -46,7 +46,7 @@ class DevicePath:
         """Queue the update of each (subgroup, slots, gradients, Adam runs) in `work`; returns at once."""
         dev, streamed = self.dev, 0
         for sub, slots, grads, runs in work:
-            if sub.where == "streamed":
+            if sub.where == Where.STREAMED:
                 scratch = self.scratch[streamed % 2]
                 streamed += 1
                 for waits in (scratch.get("free"), *self.done[1:]):  # its last user done; last step's state home
@@ -61,13 +61,12 @@ class DevicePath:
             else:
                 buffers = sub.buffers
             dev.stream_waits_for_compute(self.gpu)  # backward wrote the gradients
-            if dev.kind == "cuda":
-                for grad in grads:
-                    grad.record_stream(self.gpu.stream)
+            for grad in grads:
+                dev.keep_alive(grad, self.gpu)  # the update reads them after this function has dropped them
             dev.launch(self.gpu, _adam, buffers, slots, grads, runs, coef, hyper,
                        name=f"device adam {sub.numel / 1e6:.2f}M",
-                       duration=sub.numel / dev.adam_rate if dev.kind == "sim" else None)
-            if sub.where == "streamed":
+                       duration=sub.numel / dev.adam_rate if dev.adam_rate else None)  # modelled on the sim
+            if sub.where == Where.STREAMED:
                 updated = dev.event()
                 updated.record(self.gpu)
                 self.state_out.wait(updated)
@@ -99,4 +98,4 @@ def _adam(buffers: dict, slots: list, grads: list, runs: list, coef: float, hype
         hybrid.device_adam(buffers["master"][span], flat[span], buffers["exp_avg"][span],
                            buffers["exp_avg_sq"][span], step=run[0].step, **hyper[id(run[0].group)])
     for slot in slots:
-        slot.param.data.copy_(slot.view(buffers["master"]).view(slot.param.shape))
+        slot.param.data.copy_(slot.shaped(buffers["master"]))

@@ -30,37 +30,8 @@ import numba
 import torch
 
 from .adam import adam_fused
-
-STATE_BYTES_PER_PARAM = 12  # fp32 master, exp_avg, exp_avg_sq: what the dynamic path moves each way
-
-
-def check_split(gpu_fraction: float | None, stride: int | None) -> None:
-    """Refuse a split that is out of range, or both kinds at once, naming what is allowed."""
-    if gpu_fraction is not None and stride is not None:
-        raise ValueError(f"set gpu_fraction (static, in [0, 1]) or stride (dynamic, an int >= 1), not both; got "
-                         f"gpu_fraction={gpu_fraction!r} and stride={stride!r}")
-    if gpu_fraction is not None and (isinstance(gpu_fraction, bool) or not isinstance(gpu_fraction, (int, float))
-                                     or not 0 <= gpu_fraction <= 1):
-        raise ValueError(f"gpu_fraction must be a number in [0, 1] (the share of subgroups whose state stays on "
-                         f"the device), got {gpu_fraction!r}")
-    if stride is not None and (isinstance(stride, bool) or not isinstance(stride, int) or stride < 1):
-        raise ValueError(f"stride must be an int >= 1 (every stride-th subgroup is updated on the device; 1: all), "
-                         f"got {stride!r}")
-
-
-def device_subgroups(count: int, gpu_fraction: float | None = None, stride: int | None = None
-                     ) -> tuple[list[int], list[int]]:
-    """Indices of the subgroups updated on the device: (resident, streamed) out of `count` subgroups.
-
-    gpu_fraction f: the last round(f * count) are resident. stride k: subgroups k-1, 2k-1, ... are streamed
-    (every k-th, counting from 1), so stride 1 streams all of them and stride 3 a third."""
-    check_split(gpu_fraction, stride)
-    if gpu_fraction is not None:
-        resident = round(gpu_fraction * count)
-        return list(range(count - resident, count)), []
-    if stride is not None:
-        return [], list(range(stride - 1, count, stride))
-    return [], []
+from .layout import STATE_BYTES_PER_PARAM, device_subgroups  # noqa: F401  (chapter 5's names: which subgroups,
+from .options import check_split  # noqa: F401                 and the split's rules, live there)
 
 
 def link_rate(bandwidth: float, bytes_per_param: int = STATE_BYTES_PER_PARAM) -> float:

@@ -1,14 +1,16 @@
 """Byte accounting for training: where every byte of a model's training state lives.
 
-Three things, all pure bookkeeping (nothing here allocates real memory):
+Pure bookkeeping (nothing here allocates real memory):
 
 * `footprint(precision, optimizer, placement)`: bytes per parameter on each tier (device, host,
   nvme) for weights, gradients, master weights and optimizer state. Mixed-precision Adam gives the
   classic 2 + 2 + 4 + 4 + 4 = 16 B/param of ZeRO (Rajbhandari et al., 2020).
 * `activation_bytes_per_layer(...)`: activation memory of one GPT block, from Korthikanti et al.,
   "Reducing Activation Recomputation in Large Transformer Models" (2022).
-* `Ledger`: named tiers with capacities; allocate/free by name; an out-of-memory error like CUDA's
-  that says what to change; a history for memory-over-time plots.
+* `engine_bytes(...)`: what `OffloadAdam` holds on each tier, exactly, subgroup by subgroup.
+
+`Ledger` (named tiers with capacities, an out-of-memory error that says what to change, a history) lives in
+ledger.py and the units in units.py; both are importable from here, as chapter 1 does.
 
 What this is not: a profiler. It counts what a plan says will be resident, not what an allocator
 does (no fragmentation, no CUDA context, no temporary buffers). Later chapters compare it with the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .layout import device_subgroups, pack_sizes
 from .ledger import Allocation, Event, Ledger, OutOfMemoryError  # noqa: F401  (chapters import them from here)
 from .units import GB, GiB, MiB, format_bytes  # noqa: F401
 from .units import require_positive as _require_positive
@@ -143,17 +146,6 @@ def footprint(precision: str = "mixed_bf16", optimizer: str = "adam", placement:
     return Footprint(precision, optimizer, placement, tuple(parts))
 
 
-def pack_subgroups(numels: list[int], subgroup_numel: int) -> list[int]:
-    """Sizes of the subgroups `OffloadAdam` packs parameters of `numels` elements into (in order; a new
-    subgroup starts when the next parameter would take the current one past `subgroup_numel`)."""
-    sizes: list[int] = []
-    for numel in numels:
-        if not sizes or (sizes[-1] and sizes[-1] + numel > subgroup_numel):
-            sizes.append(0)
-        sizes[-1] += numel
-    return sizes
-
-
 def engine_bytes(numels: list[int], precision: str = "mixed_bf16", subgroup_numel: int = 1 << 22,
                  delay: bool = False, gpu_fraction: float | None = None, stride: int | None = None,
                  nvme: bool = False, nvme_buffers: int = 3) -> dict[str, int]:
@@ -165,11 +157,9 @@ def engine_bytes(numels: list[int], precision: str = "mixed_bf16", subgroup_nume
     nvme: the swapper's files (two versions of each subgroup's state, padded to 4 KiB). Refuses nothing the
     engine accepts; the kept small parameters of `min_offload_numel` are not modelled.
     """
-    from .hybrid import device_subgroups
-
     _require(precision, PRECISIONS, "precision")
     model_b = _MODEL_BYTES[precision]
-    sizes = pack_subgroups(list(numels), subgroup_numel)
+    sizes = pack_sizes(list(numels), subgroup_numel)
     resident, streamed = device_subgroups(len(sizes), gpu_fraction, stride)
     on_cpu = [n for i, n in enumerate(sizes) if i not in set(resident) | set(streamed)]
     state = 3 * 4  # fp32 master, exp_avg, exp_avg_sq

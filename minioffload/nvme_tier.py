@@ -17,14 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-STATE = ("master", "exp_avg", "exp_avg_sq")
+from .layout import STATE
 
 
 class NvmeTier:
-    def __init__(self, swapper, dev, h2d_stream, subgroups: list, buffers: int = 3):
-        if buffers < 3:
-            raise ValueError(f"nvme_buffers must be at least 3 (one set reading, one updating, one writing), "
-                             f"got {buffers}")
+    def __init__(self, swapper, dev, h2d_stream, subgroups: list, buffers: int = 3):  # buffers >= 3: options.py
         self.swapper, self.dev, self.h2d = swapper, dev, h2d_stream
         if swapper.trace is None:
             swapper.trace = dev.trace  # reads and writes show on the nvme_read / nvme_write lanes

@@ -3,7 +3,7 @@
     work = Workload(num_params=7e9, tokens=8 * 4096, num_tensors=291)
     pred = predict(work, profiles.preset("h100-sxm"), StepConfig(delay=True))
     pred.step_s, pred.bound, pred.exposed      # seconds; "cpu"; {"cpu": 2.1, "h2d": 0.0, ...}
-    viz.timeline(pred.trace)                    # the same lanes a measured run records
+    course.viz.timeline(pred.trace)             # the same lanes a measured run records
 
 The step is built as the runtime runs it: a list of operations, each on a lane ("compute", "d2h", "h2d",
 "cpu", "nvme_read", "nvme_write"), with a duration from the hardware profile and the operations it waits
@@ -31,8 +31,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .hybrid import STATE_BYTES_PER_PARAM, device_subgroups
+from .layout import STATE_BYTES_PER_PARAM, device_subgroups
 from .memory import PRECISIONS
+from .options import OffloadOptions
 from .profiles import ADAM_BYTES_PER_PARAM, Hardware
 from .schedule import Plan, schedule
 from .trace import Trace, union_length
@@ -96,16 +97,25 @@ class StepConfig:
     def __post_init__(self) -> None:
         if not 0 < self.mfu <= 1:
             raise ValueError(f"mfu must be in (0, 1], got {self.mfu!r}")
-        if self.subgroup_numel < 1:
-            raise ValueError(f"subgroup_numel must be at least 1, got {self.subgroup_numel!r}")
-        hybrid = self.gpu_fraction is not None or self.stride is not None
-        if not self.offload and (self.delay or hybrid or self.nvme):
+        options = self.options  # the engine's rules, with its messages (options.py)
+        if not self.offload and (options.offload_only() or self.nvme):
             raise ValueError("delay, gpu_fraction/stride and nvme are options of the offloaded optimizer; "
                              "set offload=True or drop them")
-        if self.delay and (hybrid or self.nvme) or (hybrid and self.nvme):
-            raise ValueError("the runtime combines none of delay, a hybrid split (gpu_fraction/stride) and nvme; "
-                             "choose one")
-        device_subgroups(1, self.gpu_fraction, self.stride)  # range checks, with the engine's messages
+        if self.nvme:
+            options.check_nvme()
+
+    @property
+    def options(self) -> OffloadOptions:
+        """The engine's options this configuration predicts."""
+        return OffloadOptions(subgroup_numel=self.subgroup_numel, max_grad_norm=1.0 if self.clip else None,
+                              delay_updates_after=0 if self.delay else None, gpu_fraction=self.gpu_fraction,
+                              stride=self.stride)
+
+    @classmethod
+    def of(cls, options: OffloadOptions, offload: bool = True, nvme: bool = False, mfu: float = 0.4) -> StepConfig:
+        """The configuration of an engine built with `options` (its delayed update counted from the start)."""
+        return cls(offload, options.subgroup_numel, options.delayed, options.gpu_fraction, options.stride, nvme,
+                   options.max_grad_norm is not None, mfu)
 
 
 def _resource(lane: str, hw: Hardware) -> str:

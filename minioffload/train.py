@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
-from . import hybrid
 from .device import device as make_device
 from .memory import format_bytes
 from .models import GPT, CharTokenizer, GPTConfig, batches, load_text, train_val_split
 from .nvme import Swapper
 from .offload import OffloadAdam
+from .options import OffloadOptions
 from .trace import Span, union_length
 
 DEVICES = ("auto", "sim", "cuda")
@@ -45,9 +45,14 @@ SAMPLE_CHARS = 200
 PHASES = ("forward", "backward", "exposed_d2h", "cpu_update", "exposed_h2d", "device_update")
 
 
+def _train_defaults() -> OffloadOptions:
+    return OffloadOptions(subgroup_numel=1 << 16, max_grad_norm=1.0)  # a small GPT: small subgroups; clipping on
+
+
 @dataclass
 class TrainConfig:
-    """Everything a training run needs; checked on construction (ValueError naming the field)."""
+    """Everything a training run needs; checked on construction (ValueError naming the field). The offload
+    engine's options are one `OffloadOptions` (options.py), checked by its own rules."""
 
     device: str = "auto"  # "auto" | "sim" | "cuda"
     model: str = "tiny"  # a GPTConfig preset
@@ -57,24 +62,20 @@ class TrainConfig:
     lr: float = 3e-3
     precision: str = "fp32"  # "fp32" | "bf16" (the model's parameters; optimizer state stays fp32)
     offload: bool = True  # True: OffloadAdam (state in pinned host memory); False: torch AdamW on the device
-    subgroup_numel: int = 1 << 16  # OffloadAdam's subgroup size in elements
-    min_offload_numel: int = 0  # parameters smaller than this stay on the device (torch AdamW there)
-    delay_updates_after: int | None = None  # None: no delayed update; n: DPU after n synchronous steps
-    gpu_fraction: float | None = None  # hybrid update, static: this share of subgroups keeps its state on the device
-    stride: int | None = None  # hybrid update, dynamic: every stride-th subgroup is updated on the device
+    optimizer: OffloadOptions = field(default_factory=_train_defaults)  # OffloadAdam's options; the baseline
+    #                                                                     uses only max_grad_norm
     nvme_dir: str | None = None  # keep the optimizer state in files here (the NVMe tier); None: in host memory
-    max_grad_norm: float | None = 1.0  # clip by global norm; None turns clipping off
     grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0
     out_dir: str | None = None  # None: runs/<timestamp>
     eval_every: int = 100  # steps between validation losses (the last step is always evaluated)
-    progress: bool = True  # show a tqdm progress bar
+    progress: bool = True  # show a progress bar (when tqdm is installed)
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
         _choice("model", self.model, tuple(GPTConfig.preset_names()))
         _choice("precision", self.precision, PRECISIONS)
-        for name in ("block_size", "batch_size", "steps", "subgroup_numel", "grad_accum", "eval_every"):
+        for name in ("block_size", "batch_size", "steps", "grad_accum", "eval_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainConfig.{name} must be a positive int, got {value!r}")
@@ -82,36 +83,17 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.seed must be an int, got {self.seed!r}")
         if not isinstance(self.lr, (int, float)) or not (0 < self.lr < math.inf):
             raise ValueError(f"TrainConfig.lr must be a positive finite number, got {self.lr!r}")
-        if self.max_grad_norm is not None and not (
-                isinstance(self.max_grad_norm, (int, float)) and 0 < self.max_grad_norm < math.inf):
-            raise ValueError(f"TrainConfig.max_grad_norm must be a positive number, or None to turn clipping "
-                             f"off, got {self.max_grad_norm!r}")
-        for name in ("min_offload_numel", "delay_updates_after"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"TrainConfig.{name} must be an int >= 0, got {value!r}")
-        if self.min_offload_numel is None:
-            raise ValueError("TrainConfig.min_offload_numel must be an int >= 0 (0 offloads everything), got None")
-        if self.delay_updates_after is not None and self.min_offload_numel:
-            raise ValueError("TrainConfig.delay_updates_after needs min_offload_numel=0 (every parameter offloaded)")
-        if self.gpu_fraction is not None and self.stride is not None:
-            raise ValueError("TrainConfig.gpu_fraction and stride: set one (static or dynamic hybrid update), not both")
-        try:
-            hybrid.check_split(self.gpu_fraction, self.stride)
-        except ValueError as err:
-            raise ValueError(f"TrainConfig.{err}") from None  # the message starts with the field's name
-        if self.delay_updates_after is not None and (self.gpu_fraction or self.stride):
-            raise ValueError("TrainConfig.delay_updates_after does not combine with a hybrid update (gpu_fraction, "
-                             "stride): choose one")
-        if self.nvme_dir is not None and any(v is not None for v in (self.delay_updates_after, self.gpu_fraction,
-                                                                     self.stride)):
-            raise ValueError("TrainConfig.nvme_dir does not combine with delayed or hybrid updates yet")
-        settings = (self.delay_updates_after, self.gpu_fraction, self.stride, self.nvme_dir)
-        if (any(v is not None for v in settings) or self.min_offload_numel) and not self.offload:
-            raise ValueError("TrainConfig.delay_updates_after, min_offload_numel, gpu_fraction, stride and nvme_dir "
-                             "are OffloadAdam settings: they need offload=True")
         if not isinstance(self.offload, bool):
             raise ValueError(f"TrainConfig.offload must be True or False, got {self.offload!r}")
+        if not isinstance(self.optimizer, OffloadOptions):
+            raise ValueError("TrainConfig.optimizer must be an OffloadOptions (minioffload.options), got "
+                             f"{type(self.optimizer).__name__}")
+        if self.nvme_dir is not None:
+            self.optimizer.check_nvme()
+        needs_offload = self.optimizer.offload_only() + (["nvme_dir"] if self.nvme_dir is not None else [])
+        if needs_offload and not self.offload:
+            raise ValueError(f"TrainConfig: {', '.join(needs_offload)}: OffloadAdam's options, which need "
+                             "offload=True")
 
 
 def _choice(name: str, value, allowed: tuple[str, ...]) -> None:
@@ -154,28 +136,28 @@ def step_phases(spans: list[Span], start: float, end: float) -> dict[str, float]
     }
 
 
-def _timed(dev, name: str, fn):
-    """Run fn() as a span on lane "compute": host time on the sim (the host thread is its compute stream),
-    CUDA events on torch's current stream on cuda (recorded into the trace at dev.synchronize())."""
-    if dev.kind != "cuda":
-        with dev.trace.span("compute", name):
-            return fn()
-    out = []
-    dev.launch(dev.default_stream, lambda: out.append(fn()), name=name)
-    return out[0]
-
-
 # ---------------------------------------------------------------------------------------------
 # the loop
 
 
-def _put_on_device(model: GPT, dev, precision: str) -> None:
-    if precision == "bf16":
-        model.to(torch.bfloat16)
-    if dev.kind == "cuda":
-        model.to(dev.torch_device)
-    for p in model.parameters():
-        dev.adopt(p, "param")
+class _Steps(list):
+    """The steps without a progress bar (tqdm not installed, or progress=False): tqdm's methods, doing nothing."""
+
+    def set_postfix(self, **values) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(steps: int, desc: str, enabled: bool):
+    try:
+        from tqdm.auto import tqdm  # the course extra installs it; the runtime runs without
+    except ImportError:
+        enabled = False
+    if not enabled:
+        return _Steps(range(1, steps + 1))
+    return tqdm(range(1, steps + 1), desc=desc, unit="step", dynamic_ncols=True)
 
 
 @torch.no_grad()
@@ -190,8 +172,6 @@ def _val_loss(model: GPT, val_batches: list[tuple[torch.Tensor, torch.Tensor]]) 
 
 def train(config: TrainConfig) -> TrainResult:
     """Train a GPT as `config` says; write trace.json, loss.csv and summary.json into its out_dir."""
-    from tqdm.auto import tqdm
-
     out_dir = Path(config.out_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
     text = load_text()
@@ -204,32 +184,30 @@ def train(config: TrainConfig) -> TrainResult:
     model = GPT(GPTConfig.preset(config.model, tok.vocab_size, block_size=config.block_size))
     dev = make_device(config.device)
     try:
-        return _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, tqdm)
+        return _run(config, dev, model, tok, train_tokens, val_tokens, out_dir)
     finally:
         dev.close()
 
 
-def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, tqdm) -> TrainResult:
-    _put_on_device(model, dev, config.precision)
+def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir) -> TrainResult:
+    if config.precision == "bf16":
+        model.to(torch.bfloat16)
+    dev.place(model)
     params = list(model.parameters())
     swapper = None
     if config.nvme_dir is not None:
         Path(config.nvme_dir).mkdir(parents=True, exist_ok=True)
         swapper = Swapper(config.nvme_dir)
     if config.offload:
-        opt = OffloadAdam(params, dev, lr=config.lr, subgroup_numel=config.subgroup_numel,
-                          max_grad_norm=config.max_grad_norm, min_offload_numel=config.min_offload_numel,
-                          delay_updates_after=config.delay_updates_after, gpu_fraction=config.gpu_fraction,
-                          stride=config.stride, swapper=swapper)
+        opt = OffloadAdam(params, dev, lr=config.lr, options=config.optimizer, swapper=swapper)
     else:
         if config.precision == "bf16":
             warnings.warn("precision='bf16' with offload=False: torch AdamW updates the bf16 weights directly "
                           "(no fp32 master copy), so small updates round away", stacklevel=3)
         opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.01)  # OffloadAdam's default decay
-    to_device = (lambda t: t.to(dev.torch_device)) if dev.kind == "cuda" else (lambda t: t)
     data_gen = torch.Generator().manual_seed(config.seed)
     val_gen = torch.Generator().manual_seed(config.seed + 1)
-    val_batches = [tuple(map(to_device, batches(val_tokens, config.block_size, config.batch_size, val_gen)))
+    val_batches = [tuple(map(dev.to_device, batches(val_tokens, config.block_size, config.batch_size, val_gen)))
                    for _ in range(EVAL_BATCHES)]
     tokens_per_step = config.batch_size * config.block_size * config.grad_accum
 
@@ -238,16 +216,15 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, tqdm) -> Tr
     rows: list[tuple] = []
     windows: list[tuple[int, int, float, float]] = []  # (first span index, last, start, end) per step
     state_adopted = False
-    bar = tqdm(range(1, config.steps + 1), desc=f"train {config.model} ({dev.kind})", unit="step",
-               disable=not config.progress, dynamic_ncols=True)
+    bar = _progress_bar(config.steps, f"train {config.model} ({dev.kind})", config.progress)
     dev.synchronize()
     for step in bar:
         first_span, start = len(dev.trace.spans), dev.trace.now()
         step_loss = 0.0
         for micro in range(config.grad_accum):
-            x, y = (to_device(t) for t in batches(train_tokens, config.block_size, config.batch_size, data_gen))
-            _, loss = _timed(dev, "forward", lambda x=x, y=y: model(x, y))
-            _timed(dev, "backward", lambda loss=loss: (loss / config.grad_accum).backward())
+            x, y = (dev.to_device(t) for t in batches(train_tokens, config.block_size, config.batch_size, data_gen))
+            _, loss = dev.timed("forward", lambda x=x, y=y: model(x, y))
+            dev.timed("backward", lambda loss=loss: (loss / config.grad_accum).backward())
             step_loss += float(loss.detach()) / config.grad_accum
             if not config.offload and micro == config.grad_accum - 1:
                 for p in params:  # the baseline holds its gradients on the device: count them
@@ -257,10 +234,10 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, tqdm) -> Tr
             opt.step()  # records its own d2h / cpu / h2d spans
         else:
             def update():
-                if config.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+                if config.optimizer.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(params, config.optimizer.max_grad_norm)
                 opt.step()
-            _timed(dev, "update", update)
+            dev.timed("update", update)
             if not state_adopted:  # AdamW made its exp_avg / exp_avg_sq on the device: count them
                 for state in opt.state.values():
                     for t in state.values():
@@ -315,12 +292,11 @@ def _summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens
     host_bytes = (sum(t.numel() * t.element_size() for sub in opt.subgroups for t in sub.buffers.values())
                   if isinstance(opt, OffloadAdam) else 0)
     start_ids = tok.encode("\n") if "\n" in tok.chars else [0]
-    idx = torch.tensor([start_ids], dtype=torch.long)
-    if dev.kind == "cuda":
-        idx = idx.to(dev.torch_device)
+    idx = dev.to_device(torch.tensor([start_ids], dtype=torch.long))
     generated = model.generate(idx, SAMPLE_CHARS, generator=torch.Generator().manual_seed(config.seed))
     config_dict = asdict(config)
     config_dict.pop("progress")
+    config_dict.update(config_dict.pop("optimizer"))  # one flat record, as the CLI's flags are
     return {
         "config": {**config_dict, "device": dev.kind},
         "num_params": model.num_params(),

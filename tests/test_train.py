@@ -6,6 +6,7 @@ import json
 import pytest
 
 from minioffload.__main__ import main
+from minioffload.options import OffloadOptions
 from minioffload.trace import Span
 from minioffload.train import PHASES, TrainConfig, step_phases, train
 
@@ -72,13 +73,23 @@ def test_bf16_runs(tmp_path):
 
 @pytest.mark.parametrize("field, value", [
     ("device", "tpu"), ("model", "huge"), ("precision", "fp8"), ("steps", 0), ("batch_size", -1),
-    ("block_size", 2.5), ("lr", 0.0), ("max_grad_norm", -1.0), ("grad_accum", 0), ("eval_every", 0),
-    ("subgroup_numel", 0), ("offload", "yes"), ("min_offload_numel", -1), ("delay_updates_after", -2),
-    ("delay_updates_after", True), ("gpu_fraction", 1.5), ("stride", 0),
+    ("block_size", 2.5), ("lr", 0.0), ("grad_accum", 0), ("eval_every", 0), ("offload", "yes"),
+    ("optimizer", {"stride": 2}),
 ])
 def test_bad_config_is_refused_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"TrainConfig.{field} "):
         TrainConfig(**{field: value})
+
+
+def test_the_optimizer_options_are_checked_by_their_own_rules():
+    # the engine's options are OffloadOptions (tests/test_options.py checks every rule); TrainConfig adds two
+    with pytest.raises(ValueError, match="TrainConfig: delay_updates_after: OffloadAdam's options, which need offload=True"):
+        TrainConfig(offload=False, optimizer=OffloadOptions(delay_updates_after=0))
+    with pytest.raises(ValueError, match="TrainConfig: nvme_dir: OffloadAdam's options"):
+        TrainConfig(offload=False, nvme_dir="somewhere")
+    with pytest.raises(ValueError, match="NVMe tier does not combine"):
+        TrainConfig(optimizer=OffloadOptions(stride=2), nvme_dir="somewhere")
+    assert TrainConfig(offload=False, optimizer=OffloadOptions(max_grad_norm=0.5)).optimizer.max_grad_norm == 0.5
 
 
 def test_block_size_longer_than_the_validation_split_is_refused(tmp_path):
@@ -113,6 +124,8 @@ def test_delayed_updates_and_kept_parameters_from_the_command_line(tmp_path, cap
         assert losses[-1] < losses[0] - 0.1  # it learns
     with pytest.raises(SystemExit):
         main(["train", "--delay-updates-after", "1", "--min-offload-numel", "10"])
-    assert "--delay-updates-after needs min_offload_numel=0" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="need offload=True"):
-        TrainConfig(offload=False, delay_updates_after=0)
+    err = capsys.readouterr().err
+    assert "--delay-updates-after needs every parameter offloaded" in err and "set --min-offload-numel=0" in err
+    with pytest.raises(SystemExit):
+        main(["train", "--no-offload", "--stride", "2"])
+    assert "error: --stride: OffloadAdam's options, which need --offload\n" in capsys.readouterr().err

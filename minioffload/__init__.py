@@ -1,8 +1,24 @@
 """minioffload: a small, real runtime for training models larger than GPU memory.
 
-Each module is one piece the course builds: `memory` (byte accounting), `viz` (figures),
-`widgets` (interactive wrappers over the figures), `check` (lab verdicts). Later chapters add the
-device, streams, CPU Adam, the offload engine and the NVMe swapper.
+Each module is one piece the course builds: `memory` (byte accounting), the device and its streams,
+CPU Adam, the offload engine and the NVMe swapper. It needs torch, NumPy, Numba and xxhash alone.
+The course's own layer (lab graders, figures, widgets) is `minioffload.course`, which no runtime module imports.
 """
 
 __version__ = "0.1.0"
+
+# The runtime's front door:  from minioffload import OffloadAdam, OffloadOptions, device, Swapper, Ledger
+# `device` is bound here, eagerly: the function, not its module (minioffload.device), which has the same name.
+from .device import Device, device  # noqa: E402
+
+_LAZY = {"OffloadAdam": "offload", "OffloadOptions": "options", "Swapper": "nvme", "Ledger": "ledger",
+         "TrainConfig": "train"}  # imported on first use
+__all__ = sorted([*_LAZY, "Device", "device"])
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

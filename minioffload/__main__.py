@@ -16,6 +16,7 @@ Later chapters add `plan`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 
@@ -130,18 +131,8 @@ def add_step_parser(commands) -> argparse.ArgumentParser:
     return st
 
 
-def parse_grad_norm(text: str) -> float | None:
-    """'1.0' -> 1.0; 'none' or 'off' -> None (no clipping)."""
-    if text.strip().lower() in ("none", "off"):
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; write e.g. 1.0, or 'none' for no clipping") \
-            from None
-
-
 def add_train_parser(commands) -> argparse.ArgumentParser:
+    from . import options
     from .models import GPTConfig
     from .train import DEVICES, PRECISIONS, TrainConfig
 
@@ -158,21 +149,8 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
                     help="the model's parameter dtype (optimizer state stays fp32)")
     tr.add_argument("--offload", action=argparse.BooleanOptionalAction, default=d.offload,
                     help="OffloadAdam with state in pinned host memory; --no-offload: torch AdamW on the device")
-    tr.add_argument("--subgroup-numel", type=int, default=d.subgroup_numel,
-                    help="elements per OffloadAdam subgroup")
-    tr.add_argument("--min-offload-numel", type=int, default=d.min_offload_numel,
-                    help="parameters with fewer elements stay on the device, updated there by torch AdamW")
-    tr.add_argument("--delay-updates-after", type=int, default=d.delay_updates_after, metavar="N",
-                    help="one-step delayed update (ZeRO-Offload's DPU) after N synchronous steps; "
-                         "off when not given")
-    tr.add_argument("--gpu-fraction", type=float, default=d.gpu_fraction, metavar="F",
-                    help="hybrid update: this share of subgroups keeps its state and update on the device")
-    tr.add_argument("--stride", type=int, default=d.stride, metavar="K",
-                    help="hybrid update: every K-th subgroup's state visits the device for its update")
     tr.add_argument("--nvme-dir", default=d.nvme_dir, metavar="DIR",
                     help="keep the optimizer state in files in DIR (on an NVMe drive): chapter 6's tier")
-    tr.add_argument("--max-grad-norm", type=parse_grad_norm, default=d.max_grad_norm,
-                    help="clip gradients to this global norm; 'none' turns clipping off")
     tr.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step")
     tr.add_argument("--seed", type=int, default=d.seed, help="seeds the model, the batches and the sample")
     tr.add_argument("--out-dir", default=d.out_dir, help="where trace.json, loss.csv, summary.json go; "
@@ -180,6 +158,7 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
     tr.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between validation losses")
     tr.add_argument("--progress", action=argparse.BooleanOptionalAction, default=d.progress,
                     help="show a progress bar with loss and tokens/s")
+    options.add_flags(tr, d.optimizer)  # one flag per OffloadOptions field
     tr.set_defaults(run=train_command)
     return tr
 
@@ -243,16 +222,18 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             st.error(str(err))
     if args.command == "train":
+        from . import options
         from .train import TrainConfig
 
-        fields = {k: v for k, v in vars(args).items() if k not in ("command", "run")}
+        option_names = {f.name for f in dataclasses.fields(options.OffloadOptions)}
+        fields = {k: v for k, v in vars(args).items() if k not in ("command", "run", *option_names)}
         try:
-            args.config = TrainConfig(**fields)
+            args.config = TrainConfig(**fields, optimizer=options.from_flags(args))
         except ValueError as err:  # name the flag, not the field
-            message = str(err)
+            message = options.name_flags(str(err)).replace("TrainConfig.", "").replace("TrainConfig: ", "")
             for name in fields:
-                message = message.replace(f"TrainConfig.{name}", "--" + name.replace("_", "-"))
-            tr.error(message)
+                message = re.sub(rf"\b{name}\b(?!-)", options.flag(name), message)
+            tr.error(message.replace("--offload=True", "--offload"))
     return args.run(args)
 
 

@@ -1,6 +1,19 @@
 """The test suite runs the simulated device in strict mode: it behaves as a GPU punishes mistakes (device memory
-from empty() is NaN until written), so a test that passes here does not pass by the sim's kindness."""
+from empty() is NaN until written), so a test that passes here does not pass by the sim's kindness.
+
+Shared fixtures live here; shared helpers (the toy model, its batches, the training loop) in `helpers.py`."""
 
 import os
 
-os.environ.setdefault("MINIOFFLOAD_SIM_STRICT", "1")
+os.environ.setdefault("MINIOFFLOAD_SIM_STRICT", "1")  # before anything imports minioffload
+
+import pytest  # noqa: E402
+
+from minioffload.device import device  # noqa: E402
+
+
+@pytest.fixture
+def sim():
+    """A fresh sim device (strict, as the whole suite runs), closed after the test."""
+    with device("sim") as dev:
+        yield dev

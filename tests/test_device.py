@@ -130,12 +130,11 @@ def test_sim_out_of_memory_raises_and_leaves_the_ledger_unchanged():
         assert (dev.ledger.used("device"), dev.ledger.allocations, len(dev.ledger.history)) == before
 
 
-def test_sim_device_memory_is_freed_with_the_tensor():
-    with device("sim") as dev:
-        x = dev.empty((1024, 1024))
-        assert dev.ledger.used("device") == 4 * MiB
-        del x
-        assert dev.ledger.used("device") == 0 and dev.ledger.peak("device") == 4 * MiB
+def test_sim_device_memory_is_freed_with_the_tensor(sim):
+    x = sim.empty((1024, 1024))
+    assert sim.ledger.used("device") == 4 * MiB
+    del x
+    assert sim.ledger.used("device") == 0 and sim.ledger.peak("device") == 4 * MiB
 
 
 def test_sim_copy_time_follows_the_link_and_engines_serialise_one_direction():
@@ -209,22 +208,21 @@ def test_jitter_catches_a_planted_missing_wait_and_never_fails_the_correct_pipel
     assert caught >= 11, f"a missing wait was caught in only {caught} of 20 jittered trials"
 
 
-def test_a_tensor_freed_while_the_ledger_lock_is_held_does_not_deadlock():
+def test_a_tensor_freed_while_the_ledger_lock_is_held_does_not_deadlock(sim):
     # Garbage collection can run a release finalizer inside ledger.allocate() on the same thread.
-    with device("sim") as dev:
-        x = dev.empty(16)
-        done = threading.Event()
+    x = sim.empty(16)
+    done = threading.Event()
 
-        def free_inside_the_lock():
-            nonlocal x
-            with dev.ledger._lock:
-                del x  # the finalizer runs right here and frees from the ledger
-            done.set()
+    def free_inside_the_lock():
+        nonlocal x
+        with sim.ledger._lock:
+            del x  # the finalizer runs right here and frees from the ledger
+        done.set()
 
-        worker = threading.Thread(target=free_inside_the_lock, daemon=True)
-        worker.start()
-        assert done.wait(5), "freeing a device tensor inside the ledger's lock deadlocked"
-        assert dev.ledger.used("device") == 0
+    worker = threading.Thread(target=free_inside_the_lock, daemon=True)
+    worker.start()
+    assert done.wait(5), "freeing a device tensor inside the ledger's lock deadlocked"
+    assert sim.ledger.used("device") == 0
 
 
 def test_spans_after_clearing_the_trace_are_on_its_new_clock(dev):

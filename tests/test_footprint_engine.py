@@ -38,8 +38,7 @@ def test_engine_allocates_exactly_what_the_calculator_says(precision, option, tm
     options = dict(OPTIONS[option])
     nvme = options.pop("nvme", False)
     with device("sim") as dev:
-        for p in params:
-            dev.adopt(p, "param")
+        dev.place(params)
         swapper = Swapper(tmp_path) if nvme else None
         opt = OffloadAdam(params, dev, subgroup_numel=4000, swapper=swapper, **options)
         # one step, so the swapper has written both versions of every file

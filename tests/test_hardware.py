@@ -6,7 +6,8 @@ matplotlib.use("Agg")
 
 import pytest  # noqa: E402
 
-from minioffload import hardware, viz  # noqa: E402
+from minioffload import hardware  # noqa: E402
+from minioffload.course import viz  # noqa: E402
 from minioffload.device import Link, device  # noqa: E402
 from minioffload.memory import MiB  # noqa: E402
 
@@ -32,10 +33,9 @@ def test_sim_copy_bandwidth_approaches_the_link_and_pageable_is_slower():
     assert len([line for line in fig.axes[0].get_lines() if not line.get_label().startswith("_")]) == 4
 
 
-def test_copy_bandwidth_refuses_bad_arguments():
-    with device("sim") as dev:
-        with pytest.raises(ValueError, match="direction"):
-            hardware.copy_bandwidth(dev, [4096], direction="sideways")
-        with pytest.raises(ValueError, match="multiples of 4"):
-            hardware.copy_bandwidth(dev, [6])
-        assert dev.ledger.used("device") == 0
+def test_copy_bandwidth_refuses_bad_arguments(sim):
+    with pytest.raises(ValueError, match="direction"):
+        hardware.copy_bandwidth(sim, [4096], direction="sideways")
+    with pytest.raises(ValueError, match="multiples of 4"):
+        hardware.copy_bandwidth(sim, [6])
+    assert sim.ledger.used("device") == 0

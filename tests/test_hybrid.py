@@ -3,7 +3,7 @@ device memory refused before anything moves, bad settings named."""
 
 import pytest
 import torch
-from test_offload import HYPER, Toy, assert_resumes_bit_for_bit, batch, loss_of, on_sim, train
+from helpers import HYPER, Toy, assert_resumes_bit_for_bit, batch, fresh, loss_of, on_sim, train
 
 from minioffload import hybrid
 from minioffload.device import device
@@ -99,11 +99,10 @@ def test_a_fraction_that_does_not_fit_is_refused_before_anything_moves():
     ({"gpu_fraction": 0.5, "stride": 2}, "not both"),
     ({"stride": 2, "delay_updates_after": 0}, "do not combine"),
 ])
-def test_bad_splits_are_refused_naming_the_valid_ranges(options, match):
-    with device("sim") as dev:
-        model = on_sim(Toy(), dev)
-        with pytest.raises(ValueError, match=match):
-            OffloadAdam(model.parameters(), dev, **options)
+def test_bad_splits_are_refused_naming_the_valid_ranges(sim, options, match):
+    model = on_sim(Toy(), sim)
+    with pytest.raises(ValueError, match=match):
+        OffloadAdam(model.parameters(), sim, **options)
 
 
 def test_the_split_model():
@@ -122,12 +121,7 @@ def test_the_split_model():
 
 
 def test_a_checkpoint_of_a_hybrid_run_continues_bit_for_bit():
-    def make(dev, name):
-        torch.manual_seed(0)
-        model = on_sim(Toy(), dev)
-        return model, OffloadAdam(model.parameters(), dev, subgroup_numel=300, stride=2, **HYPER)
-
-    assert_resumes_bit_for_bit(make)
+    assert_resumes_bit_for_bit(lambda dev, name: fresh(dev, stride=2))
 
 
 @pytest.mark.parametrize("split", [{"stride": 2}, {"gpu_fraction": 0.5}], ids=str)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from test_offload import HYPER, Toy, assert_resumes_bit_for_bit, on_sim, train
+from helpers import HYPER, Toy, assert_resumes_bit_for_bit, fresh, on_sim, train
 
 from minioffload.device import device
 from minioffload.nvme import Swapper
@@ -49,11 +49,8 @@ def test_reads_and_writes_carry_12_bytes_per_param_and_overlap_the_update(tmp_pa
 
 def test_a_checkpoint_of_the_nvme_tier_resumes_bit_for_bit(tmp_path):
     def make(dev, name):
-        torch.manual_seed(0)
-        model = on_sim(Toy(), dev)
         (tmp_path / name).mkdir()
-        swapper = Swapper(tmp_path / name)
-        return model, OffloadAdam(model.parameters(), dev, subgroup_numel=300, swapper=swapper, **HYPER)
+        return fresh(dev, swapper=Swapper(tmp_path / name))
 
     assert_resumes_bit_for_bit(make)
 
@@ -63,8 +60,8 @@ def test_a_checkpoint_of_the_nvme_tier_resumes_bit_for_bit(tmp_path):
     ({"stride": 2}, "does not combine"),
     ({"delay_updates_after": 0}, "does not combine"),
 ])
-def test_bad_nvme_settings_are_refused(tmp_path, options, match):
-    with device("sim") as dev, Swapper(tmp_path) as swapper:
-        model = on_sim(Toy(), dev)
+def test_bad_nvme_settings_are_refused(sim, tmp_path, options, match):
+    with Swapper(tmp_path) as swapper:
+        model = on_sim(Toy(), sim)
         with pytest.raises(ValueError, match=match):
-            OffloadAdam(model.parameters(), dev, swapper=swapper, **options)
+            OffloadAdam(model.parameters(), sim, swapper=swapper, **options)

@@ -5,70 +5,10 @@ import time
 
 import pytest
 import torch
-from torch import nn
+from helpers import HYPER, Toy, batch, fresh, loss_of, on_sim, train
 
 from minioffload.device import device
 from minioffload.offload import OffloadAdam
-
-HYPER = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
-
-
-class Toy(nn.Module):
-    """Embedding -> MLP -> a head tied to the embedding; an unused branch and a frozen bias for the odd cases."""
-
-    def __init__(self, vocab=11, width=16):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-        self.side = nn.Linear(width, width)  # used only when asked: a parameter that sometimes gets no gradient
-        self.frozen = nn.Parameter(torch.zeros(width), requires_grad=False)
-
-    def forward(self, idx, use_side=False):
-        h = self.embed(idx)
-        h = h + self.mlp(h) + self.frozen
-        if use_side:
-            h = h + self.side(h)
-        return h @ self.embed.weight.T  # tied head
-
-
-def batch(seed, n=8, seq=6, vocab=11):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n, seq), generator=g), torch.randint(0, vocab, (n, seq), generator=g)
-
-
-def loss_of(model, idx, targets, use_side=False):
-    logits = model(idx, use_side)
-    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def on_sim(model, dev):
-    for p in model.parameters():
-        dev.adopt(p, "param")
-    return model
-
-
-def train(model, opt, steps, micro_batches=1, use_side=lambda step: False, clip=None):
-    losses = []
-    for step in range(steps):
-        total = 0.0
-        for micro in range(micro_batches):
-            idx, targets = batch(100 * step + micro)
-            loss = loss_of(model, idx, targets, use_side(step)) / micro_batches
-            loss.backward()
-            total += loss.item()
-        if clip is not None:  # torch's reference clips here; OffloadAdam clips inside step()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses
-
-
-def fresh(dev, **options):
-    """The seeded Toy on `dev` with its OffloadAdam (small subgroups), as every checkpoint test starts."""
-    torch.manual_seed(0)
-    model = on_sim(Toy(), dev)
-    return model, OffloadAdam(model.parameters(), dev, subgroup_numel=300, **options, **HYPER)
 
 
 def straight_and_first(steps_before_saving=3, **options):
@@ -82,26 +22,6 @@ def straight_and_first(steps_before_saving=3, **options):
         train(first, opt, steps_before_saving)
         checkpoint = {"model": {k: v.clone() for k, v in first.state_dict().items()}, "opt": opt.state_dict()}
     return straight, checkpoint
-
-
-def assert_resumes_bit_for_bit(make):
-    """`make(dev, name)` -> (model, optimizer), seeded alike: four straight steps equal two, a checkpoint into a
-    fresh pair, and two more."""
-    with device("sim") as dev:
-        straight, opt = make(dev, "straight")
-        train(straight, opt, 4)
-        first, opt = make(dev, "first")
-        train(first, opt, 2)
-        saved = {"model": {k: v.clone() for k, v in first.state_dict().items()}, "opt": opt.state_dict()}
-        resumed, opt = make(dev, "resumed")
-        resumed.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        for step in range(2, 4):
-            loss_of(resumed, *batch(100 * step)).backward()
-            opt.step()
-            opt.zero_grad()
-        dev.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters(), strict=True))
 
 
 def pair(seed=0, **kwargs):
@@ -221,18 +141,15 @@ def test_a_jittered_device_never_changes_the_result():
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
-def test_gradients_leave_the_device_and_the_trace_shows_every_phase():
+def test_gradients_leave_the_device_and_the_trace_shows_every_phase(sim):
     torch.manual_seed(0)
-    model = Toy()
-    with device("sim") as dev:
-        on_sim(model, dev)
-        params_bytes = dev.ledger.used("device")
-        opt = OffloadAdam(model.parameters(), dev, subgroup_numel=300, **HYPER)
-        train(model, opt, 1)
-        assert dev.ledger.used("device") == params_bytes  # no gradient left behind on the device
-        assert all(p.grad is None for p in model.parameters())
-        lanes = {s.lane for s in dev.trace.spans}
-    assert {"d2h", "cpu", "h2d"} <= lanes
+    model = on_sim(Toy(), sim)
+    params_bytes = sim.ledger.used("device")
+    opt = OffloadAdam(model.parameters(), sim, subgroup_numel=300, **HYPER)
+    train(model, opt, 1)
+    assert sim.ledger.used("device") == params_bytes  # no gradient left behind on the device
+    assert all(p.grad is None for p in model.parameters())
+    assert {"d2h", "cpu", "h2d"} <= {s.lane for s in sim.trace.spans}
 
 
 @pytest.mark.parametrize("make, match", [
@@ -246,13 +163,12 @@ def test_gradients_leave_the_device_and_the_trace_shows_every_phase():
     (lambda dev, m: OffloadAdam(m.parameters(), dev, delay_updates_after=0, min_offload_numel=10),
      "needs every parameter offloaded"),
 ])
-def test_bad_input_is_refused_clearly(make, match):
-    with device("sim") as dev:
-        model = on_sim(Toy(), dev)
-        before = [p.detach().clone() for p in model.parameters()]
-        with pytest.raises(ValueError, match=match):
-            make(dev, model)
-        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+def test_bad_input_is_refused_clearly(sim, make, match):
+    model = on_sim(Toy(), sim)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=match):
+        make(sim, model)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
 
 
 def test_loss_scaling_by_a_power_of_two_changes_nothing_and_an_overflow_skips_the_step():
@@ -314,31 +230,27 @@ def test_a_checkpoint_continues_training_bit_for_bit(options):
     assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters(), strict=True))
 
 
-def test_a_checkpoint_of_another_model_is_refused_and_changes_nothing():
-    with device("sim") as dev:
-        torch.manual_seed(0)
-        model = on_sim(Toy(), dev)
-        opt = OffloadAdam(model.parameters(), dev, **HYPER)
-        other = on_sim(Toy(width=8), dev)
-        other_state = OffloadAdam(other.parameters(), dev, **HYPER).state_dict()
-        before = opt.state_dict()
-        with pytest.raises(ValueError, match="another model"):
-            opt.load_state_dict(other_state)
-        after = opt.state_dict()
-        assert all(torch.equal(before["state"][i]["master"], after["state"][i]["master"]) for i in before["state"])
+def test_a_checkpoint_of_another_model_is_refused_and_changes_nothing(sim):
+    torch.manual_seed(0)
+    model = on_sim(Toy(), sim)
+    opt = OffloadAdam(model.parameters(), sim, **HYPER)
+    other = on_sim(Toy(width=8), sim)
+    other_state = OffloadAdam(other.parameters(), sim, **HYPER).state_dict()
+    before = opt.state_dict()
+    with pytest.raises(ValueError, match="another model"):
+        opt.load_state_dict(other_state)
+    after = opt.state_dict()
+    assert all(torch.equal(before["state"][i]["master"], after["state"][i]["master"]) for i in before["state"])
 
 
 RESUME = """
 import sys, torch
 sys.path.insert(0, {tests!r})
-from test_offload import HYPER, Toy, batch, loss_of, on_sim
+from helpers import batch, fresh, loss_of
 from minioffload.device import device
-from minioffload.offload import OffloadAdam
 checkpoint = torch.load({path!r}, weights_only=False)
 with device("sim") as dev:
-    torch.manual_seed(0)
-    model = on_sim(Toy(), dev)
-    opt = OffloadAdam(model.parameters(), dev, subgroup_numel=300, **HYPER)
+    model, opt = fresh(dev)
     model.load_state_dict(checkpoint["model"])
     opt.load_state_dict(checkpoint["opt"])
     for step in range(3, 5):
@@ -364,13 +276,12 @@ def test_a_checkpoint_loaded_in_a_new_process_continues_bit_for_bit(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed, strict=True))
 
 
-def test_small_parameters_kept_on_the_device_send_no_copies():
+def test_small_parameters_kept_on_the_device_send_no_copies(sim):
     torch.manual_seed(0)
-    model = Toy()
-    with device("sim") as dev:
-        opt = OffloadAdam(on_sim(model, dev).parameters(), dev, min_offload_numel=100, **HYPER)
-        train(model, opt, 1)
-        copied = {s.nbytes for s in dev.trace.spans if s.lane == "d2h"}
+    model = on_sim(Toy(), sim)
+    opt = OffloadAdam(model.parameters(), sim, min_offload_numel=100, **HYPER)
+    train(model, opt, 1)
+    copied = {s.nbytes for s in sim.trace.spans if s.lane == "d2h"}
     assert 64 * 4 not in copied and 16 * 4 not in copied  # the biases never crossed the link
     assert all(p not in opt._slots for p in opt.kept)
 

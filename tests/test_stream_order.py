@@ -3,10 +3,7 @@ may still read them). The sim runs compute on the host, so such a race cannot sh
 tests record the engine's device calls and check the order instead."""
 
 import pytest
-from test_offload import HYPER, Toy, batch, loss_of, on_sim
-
-from minioffload.device import device
-from minioffload.offload import OffloadAdam
+from helpers import batch, fresh, loss_of
 
 
 def recorded(dev, params):
@@ -41,21 +38,19 @@ def unordered_copies(log):
 
 
 @pytest.mark.parametrize("options", [{}, {"delay_updates_after": 1}], ids=["synchronous", "delayed"])
-def test_every_copy_into_the_weights_waits_for_compute(options):
-    with device("sim") as dev:
-        model = on_sim(Toy(), dev)
-        opt = OffloadAdam(model.parameters(), dev, subgroup_numel=300, **options, **HYPER)
-        log = recorded(dev, list(model.parameters()))
-        for step in range(4):
-            log.append(("compute",))  # forward and backward are queued compute from here on
-            loss_of(model, *batch(step)).backward()
-            opt.step()
-            opt.zero_grad()
-        opt.flush()
-        state = opt.state_dict()
-        log.append(("compute",))
-        loss_of(model, *batch(9)).backward()
-        opt.load_state_dict(state)
-        dev.synchronize()
+def test_every_copy_into_the_weights_waits_for_compute(sim, options):
+    model, opt = fresh(sim, **options)
+    log = recorded(sim, list(model.parameters()))
+    for step in range(4):
+        log.append(("compute",))  # forward and backward are queued compute from here on
+        loss_of(model, *batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    state = opt.state_dict()
+    log.append(("compute",))
+    loss_of(model, *batch(9)).backward()
+    opt.load_state_dict(state)
+    sim.synchronize()
     assert any(entry[0] == "copy into weights" for entry in log)
     assert unordered_copies(log) == []

@@ -83,7 +83,8 @@ def test_bad_config_is_refused_naming_the_field(field, value):
 
 def test_the_optimizer_options_are_checked_by_their_own_rules():
     # the engine's options are OffloadOptions (tests/test_options.py checks every rule); TrainConfig adds two
-    with pytest.raises(ValueError, match="TrainConfig: delay_updates_after: OffloadAdam's options, which need offload=True"):
+    with pytest.raises(ValueError,
+                       match="TrainConfig: delay_updates_after: OffloadAdam's options, which need offload=True"):
         TrainConfig(offload=False, optimizer=OffloadOptions(delay_updates_after=0))
     with pytest.raises(ValueError, match="TrainConfig: nvme_dir: OffloadAdam's options"):
         TrainConfig(offload=False, nvme_dir="somewhere")

@@ -1,0 +1,69 @@
+"""The layer contracts (.importlinter) hold, catch a violation, and no module imports another in a cycle."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT = Path(sys.executable).with_name("lint-imports")
+
+
+def lint(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(LINT), "--no-cache"], cwd=root, env={"PYTHONPATH": str(root), "PATH": ""},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_contracts_hold():
+    result = lint(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+@pytest.mark.parametrize("module, bad_import, contract", [
+    ("layout", "from . import course", "The runtime never imports the course"),
+    ("offload", "from . import device_sim", "The engine never imports a device backend or the disk tier"),
+    ("trace", "from . import memory", "Layers:"),
+])
+def test_a_violation_breaks_its_contract(tmp_path, module, bad_import, contract):
+    shutil.copytree(ROOT / "minioffload", tmp_path / "minioffload", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / ".importlinter", tmp_path)
+    with open(tmp_path / "minioffload" / f"{module}.py", "a") as f:
+        f.write(f"\n{bad_import}  # noqa\n")
+    result = lint(tmp_path)
+    assert result.returncode != 0
+    broken = [line for line in result.stdout.splitlines() if line.endswith("BROKEN")]
+    assert any(line.startswith(contract) for line in broken), result.stdout  # names fit one line: keep them short
+
+
+def test_a_new_module_must_be_given_a_layer(tmp_path):
+    shutil.copytree(ROOT / "minioffload", tmp_path / "minioffload", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / ".importlinter", tmp_path)
+    (tmp_path / "minioffload" / "newcomer.py").write_text('"""A module no layer lists."""\n')
+    result = lint(tmp_path)
+    assert result.returncode != 0 and "newcomer" in result.stdout
+
+
+def test_no_module_imports_another_in_a_cycle():
+    graph = grimp.build_graph("minioffload")
+    cycles = []
+    for module in sorted(graph.modules):
+        for imported in graph.find_modules_directly_imported_by(module):
+            if imported != module and graph.chain_exists(importer=imported, imported=module):
+                cycles.append(f"{module} -> {imported} -> ... -> {module}")
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_front_door_exports_the_runtime():
+    code = ("import minioffload.device, minioffload.train\n"  # importing the submodule first must not shadow device()
+            "from minioffload import Ledger, OffloadAdam, OffloadOptions, Swapper, TrainConfig, device\n"
+            "assert callable(device) and device.__module__ == 'minioffload.device'\n"
+            "assert OffloadAdam.__name__ == 'OffloadAdam' and Swapper.__name__ == 'Swapper'\n"
+            "import minioffload\n"
+            "try:\n    minioffload.Nothing\nexcept AttributeError as err:\n    print(err)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "has no attribute 'Nothing'" in result.stdout

@@ -23,7 +23,7 @@ $(VENV_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[book,dev]"
+	$(BIN)/python -m pip install --quiet -e ".[course,book,dev]"
 	touch $@
 
 # The static book serves require.js, the widget manager and MathJax itself (no CDN at read time).
@@ -46,9 +46,11 @@ labs: $(VENV_STAMP)
 
 lint: $(VENV_STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 test: $(VENV_STAMP) $(VENDOR_STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -p no:cacheprovider -m "not book_html" tests
 	$(NBVAL) $(NOTEBOOKS)
 	$(MAKE) --no-print-directory book-stored

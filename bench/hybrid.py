@@ -44,13 +44,10 @@ from minioffload.offload import OffloadAdam  # noqa: E402
 
 def make_run(kind: str, link: Link, tensors: int, numel: int, split: dict):
     dev = device("sim", h2d=link, d2h=link) if kind == "sim" else device("cuda")
-    where = dev.torch_device if kind == "cuda" else "cpu"
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(numel, device=where) * 0.02) for _ in range(tensors)]
-    for p in params:
-        dev.adopt(p, "param")
+    params = dev.place([torch.nn.Parameter(torch.randn(numel) * 0.02) for _ in range(tensors)])  # moved on CUDA
     opt = OffloadAdam(params, dev, lr=1e-3, subgroup_numel=numel, **split)
-    weights = torch.linspace(0.5, 1.5, numel, device=where)
+    weights = dev.to_device(torch.linspace(0.5, 1.5, numel))
 
     def one_update() -> dict:
         sum((p * weights).sum() for p in params).backward()  # every gradient: `weights`, cheaply

@@ -61,17 +61,6 @@ def torchao_offload(params, lr):
     return CPUOffloadOptimizer(params, torch.optim.AdamW, offload_gradients=True, fused=True, lr=lr)
 
 
-def timed(dev, kind: str, name: str, fn):
-    """fn() as a span on the compute lane. On the sim its compute is the host's, so a host span times it; on a GPU a
-    host span would time the kernel launches, not the kernels, so CUDA events bracket it (dev.launch)."""
-    if kind != "cuda":
-        with dev.trace.span("compute", name):
-            return fn()
-    result = {}
-    dev.launch(None, lambda: result.setdefault("value", fn()), name=name)
-    return result["value"]
-
-
 def make_run(kind: str, preset: str, optimizer: str, subgroup_numel: int, link: Link, batch_size: int,
              block_size: int, delay: int | None = None):
     """One training step as a function (for `interleaved`), its device, and the model's size; None when the
@@ -82,11 +71,7 @@ def make_run(kind: str, preset: str, optimizer: str, subgroup_numel: int, link: 
     torch.manual_seed(0)
     config = models.GPTConfig.preset(preset, tokenizer.vocab_size, block_size=block_size)
     dev = device("sim", h2d=link, d2h=link) if kind == "sim" else device("cuda")
-    model = models.GPT(config)
-    if kind == "cuda":
-        model = model.to(dev.torch_device)
-    for p in model.parameters():
-        dev.adopt(p, "param")
+    model = dev.place(models.GPT(config))  # on CUDA, moved to the GPU too
     if optimizer == "torchao":
         opt = torchao_offload(model.parameters(), lr=1e-3)
         if opt is None:
@@ -97,14 +82,12 @@ def make_run(kind: str, preset: str, optimizer: str, subgroup_numel: int, link: 
     generator = torch.Generator().manual_seed(0)
 
     def one_step() -> dict:
-        x, y = models.batches(data, block_size, batch_size, generator)
-        if kind == "cuda":
-            x, y = x.to(dev.torch_device), y.to(dev.torch_device)
+        x, y = (dev.to_device(t) for t in models.batches(data, block_size, batch_size, generator))
         dev.trace.clear()
         dev.synchronize()
         start = time.perf_counter()
-        _, loss = timed(dev, kind, "forward", lambda: model(x, y))
-        timed(dev, kind, "backward", loss.backward)
+        _, loss = dev.timed("forward", lambda: model(x, y))
+        dev.timed("backward", loss.backward)
         opt.step()  # with delayed updates, the CPU Adam runs on into the next step's forward and backward
         opt.zero_grad()
         dev.synchronize()

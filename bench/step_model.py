@@ -74,9 +74,7 @@ def make_run(options, link_gbps: float, dtype: torch.dtype, scratch: Path):
     config = models.GPTConfig.preset(PRESET, tokenizer.vocab_size, block_size=BLOCK)
     link = Link(bandwidth=link_gbps * 1e9)
     dev = device("sim", h2d=link, d2h=link)
-    model = models.GPT(config).to(dtype)
-    for p in model.parameters():
-        dev.adopt(p, "param")
+    model = dev.place(models.GPT(config).to(dtype))
     opt = None
     if options == "device":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)

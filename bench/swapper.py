@@ -65,8 +65,7 @@ def pipeline(directory: Path, subgroups: int, numel: int, block: int, workers: i
     params = [torch.nn.Parameter(torch.randn(numel) * 0.02) for _ in range(subgroups)]
     weights = torch.linspace(0.5, 1.5, numel)
     with device("sim") as dev, Swapper(directory, block_size=block, workers=workers) as swap:
-        for p in params:
-            dev.adopt(p, "param")
+        dev.place(params)
         opt = OffloadAdam(params, dev, lr=1e-3, subgroup_numel=numel, swapper=swap)
         steps = []
         for _ in range(rounds + 1):

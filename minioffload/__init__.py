@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 # The runtime's front door:  from minioffload import OffloadAdam, OffloadOptions, device, Swapper, Ledger
 # `device` is bound here, eagerly: the function, not its module (minioffload.device), which has the same name.
-from .device import Device, device  # noqa: E402
+from .device import Device, device  # noqa: E402,F401
 
 _LAZY = {"OffloadAdam": "offload", "OffloadOptions": "options", "Swapper": "nvme", "Ledger": "ledger",
          "TrainConfig": "train"}  # imported on first use

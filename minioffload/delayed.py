@@ -20,12 +20,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .layout import Slot, staging_key
+from .layout import Slot
 
 
 def upload_buffer(slot: Slot) -> torch.Tensor:
     """Where this parameter's new weights (in its dtype) wait to be sent."""
-    return slot.shaped(slot.subgroup.buffers[staging_key("upload", slot.param.dtype)])
+    return slot.shaped(slot.subgroup.staging["upload", slot.param.dtype])
 
 
 class DelayedUpdate:

@@ -6,7 +6,8 @@
 A subgroup holds about `subgroup_numel` elements of consecutive parameters: one flat fp32 buffer for each
 name in STATE (master weights and Adam's moments) and one for the gradient, so that one Adam call, one copy
 and one disk read serve all of them. `Where` says where a subgroup is updated; `device_subgroups` picks them.
-Staging buffers (gradients in, 16-bit weights out) are keyed by `staging_key(kind, dtype)`.
+Staging buffers (gradients in, 16-bit weights out) are kept apart, keyed by (kind, dtype); `held()` lists
+every host buffer of a subgroup by a printable name.
 
 What this is not: memory (the engine allocates the buffers; device_path.py and nvme_tier.py bind theirs).
 """
@@ -70,13 +71,14 @@ class Subgroup:
     numel: int
     where: Where = Where.CPU
     slots: list[Slot] = field(default_factory=list)
-    buffers: dict = field(default_factory=dict)  # STATE names, "grad", staging keys -> flat tensors
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # STATE names and "grad" -> flat fp32 tensor
+    # (kind, dtype) -> flat tensor in the parameters' dtype: kind "staging" (gradients arrive, 16-bit weights
+    # leave) or "upload" (a delayed update's weights wait)
+    staging: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
-
-def staging_key(kind: str, dtype: torch.dtype) -> tuple[str, torch.dtype]:
-    """The key of a staging buffer: kind "staging" (gradients arrive, weights leave) or "upload" (a delayed
-    update's weights wait), one per dtype of the subgroup's parameters."""
-    return kind, dtype
+    def held(self) -> dict[str, torch.Tensor]:
+        """Every buffer of this subgroup, by a printable name ("master", ..., "staging torch.bfloat16")."""
+        return {**self.buffers, **{f"{kind} {dtype}": t for (kind, dtype), t in self.staging.items()}}
 
 
 def pack(param_groups: list[dict], subgroup_numel: int, skip: set = frozenset()

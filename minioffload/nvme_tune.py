@@ -39,9 +39,12 @@ def tune(directory: str | Path, block_sizes=(1 << 18, 1 << 20, 1 << 22), workers
     back = aligned_empty(file_bytes, pin=False)
     settings = [(b, w) for b in block_sizes for w in workers]
     if progress:
-        from tqdm.auto import tqdm
-
-        settings = tqdm(settings, desc="tune", unit="setting")
+        try:
+            from tqdm.auto import tqdm  # the course extra installs it; without it, no bar
+        except ImportError:
+            pass
+        else:
+            settings = tqdm(settings, desc="tune", unit="setting")
     rows = []
     try:
         for block_size, count in settings:

@@ -48,7 +48,7 @@ from .adam import adam_fused
 from .delayed import DelayedUpdate
 from .device_path import DevicePath
 from .gradnorm import sum_of_squares
-from .layout import STATE, Slot, Subgroup, Where, staging_key
+from .layout import STATE, Slot, Subgroup, Where
 from .nvme_tier import NvmeTier
 from .options import OffloadOptions
 
@@ -125,9 +125,9 @@ class OffloadAdam(torch.optim.Optimizer):
             on_host = ("grad",) if self.swapper is not None else (*STATE, "grad")  # NVMe: the state goes to disk
             sub.buffers = self._host_buffers(sub.numel, on_host)
             for dtype in {s.param.dtype for s in sub.slots}:  # gradients arrive here, 16-bit weights leave
-                sub.buffers[staging_key("staging", dtype)] = self.dev.host_empty(sub.numel, dtype)
+                sub.staging["staging", dtype] = self.dev.host_empty(sub.numel, dtype)
                 if self.delayed:  # ... except with delayed updates: their weights wait in upload buffers
-                    sub.buffers[staging_key("upload", dtype)] = self.dev.host_empty(sub.numel, dtype)
+                    sub.staging["upload", dtype] = self.dev.host_empty(sub.numel, dtype)
             if self.swapper is None:
                 self._initial_state(sub, sub.buffers)
         if self.swapper is not None and self._on_cpu():
@@ -153,7 +153,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def _staging(self, slot: Slot) -> torch.Tensor:
         """Pinned host memory for this parameter in the model's dtype: its gradient arrives here (and, without
         delayed updates, its 16-bit weights leave from here)."""
-        return slot.shaped(slot.subgroup.buffers[staging_key("staging", slot.param.dtype)])
+        return slot.shaped(slot.subgroup.staging["staging", slot.param.dtype])
 
     def _master(self, slot: Slot) -> torch.Tensor:
         return slot.shaped(slot.subgroup.buffers["master"])

@@ -289,7 +289,7 @@ def _summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens
     split["other_s"] = max(0.0, step_time / n - sum(split.values()))  # data, loss.item(), bookkeeping
     split["step_s"] = step_time / n
     split["step_median_s"] = sorted(durations)[n // 2]  # robust to steps stalled by other processes
-    host_bytes = (sum(t.numel() * t.element_size() for sub in opt.subgroups for t in sub.buffers.values())
+    host_bytes = (sum(t.numel() * t.element_size() for sub in opt.subgroups for t in sub.held().values())
                   if isinstance(opt, OffloadAdam) else 0)
     start_ids = tok.encode("\n") if "\n" in tok.chars else [0]
     idx = dev.to_device(torch.tensor([start_ids], dtype=torch.long))

@@ -1,15 +1,17 @@
-"""Lab verdicts: right answers pass, wrong ones fail with a reason, stubs say TODO."""
+"""Lab verdicts: right answers pass, wrong ones fail with a reason, stubs say TODO; a crash shows the learner's
+own frames."""
 
+import inspect
+import json
 import math
+import re
+from pathlib import Path
 
 import pytest
+from grader_harness import mistakes_fail, reference_passes, stub, stubs_are_todo
 
-from minioffload import check, memory
-
-
-def stub(*args):
-    raise NotImplementedError("Task")
-
+from minioffload import memory
+from minioffload.course import check
 
 REFERENCE = {
     "1.1": lambda precision, optimizer: memory.footprint(precision, optimizer).per_param(),
@@ -18,36 +20,78 @@ REFERENCE = {
         memory.max_params_that_fit(gpu, memory.footprint(precision, "adam", placement))),
     "1.4": lambda n, device, host: memory.first_placement_that_fits(n, device, host_bytes=host),
 }
-WRONG = {  # plausible mistakes a learner makes
-    "1.1": lambda precision, optimizer: 16,  # the famous number for every setup
-    "1.2": lambda s, b, h, a, ckpt: 34 * s * b * h,  # forgot the attention scores
-    "1.3": lambda gpu, precision, placement: int(gpu // 16),  # ignored the placement
-    "1.4": lambda n, device, host: "optimizer_cpu" if 16 * n > device else "device",  # ignored host memory
-}
+WRONG = [  # plausible mistakes a learner makes
+    ("1.1", lambda precision, optimizer: 16, "expected"),  # the famous number for every setup
+    ("1.2", lambda s, b, h, a, ckpt: 34 * s * b * h, "expected"),  # forgot the attention scores
+    ("1.3", lambda gpu, precision, placement: int(gpu // 16), "expected"),  # ignored the placement
+    ("1.4", lambda n, device, host: "optimizer_cpu" if 16 * n > device else "device", "expected"),  # ignored host
+]
 
-
-@pytest.mark.parametrize("task_id", sorted(REFERENCE))
-def test_reference_passes(task_id):
-    verdict = check.grade(task_id, REFERENCE[task_id])
-    assert verdict.passed, str(verdict)
-    assert str(verdict).startswith(f"PASS Task {task_id}: ")
-
-
-@pytest.mark.parametrize("task_id", sorted(WRONG))
-def test_plausible_mistake_fails_with_a_reason(task_id):
-    verdict = check.grade(task_id, WRONG[task_id])
-    assert verdict.status == "FAIL" and "expected" in verdict.detail, str(verdict)
-
-
-@pytest.mark.parametrize("task_id", sorted(REFERENCE))
-def test_stub_is_todo(task_id):
-    assert check.grade(task_id, stub).status == "TODO"
+test_reference_passes = reference_passes(REFERENCE)
+test_plausible_mistake_fails_with_a_reason = mistakes_fail(WRONG)
+test_stub_is_todo = stubs_are_todo(REFERENCE)
 
 
 def test_a_crash_is_a_verdict_not_a_traceback():
     verdict = check.grade("1.1", lambda precision, optimizer: {}["missing"])
     assert verdict.status == "FAIL" and "KeyError" in verdict.detail
     assert check.grade("1.1", 16).status == "FAIL"
+
+
+def _lookup(table, key):
+    return table[key]  # the learner's helper, where the error is raised
+
+
+def crashes_in_a_helper(precision, optimizer):
+    return _lookup({}, precision)
+
+
+def test_a_crash_shows_the_learners_frames_and_the_exception_after_the_fail_line(capsys):
+    check.task("1.1", crashes_in_a_helper)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "FAIL Task 1.1: your function raised KeyError: 'fp32'"
+    assert lines[1] == "Traceback (your code only, most recent call last):"
+    frames = [line for line in lines if line.startswith("  File ")]
+    assert [re.search(r", in (\w+)$", f)[1] for f in frames] == ["crashes_in_a_helper", "_lookup"]
+    assert all(__file__ in f for f in frames)  # the test file plays the notebook cell: no grader's or library's
+    assert any(line.strip().startswith("return table[key]") for line in lines)  # the line that raised
+    assert lines[-1] == "KeyError: 'fp32'"
+    assert len(lines) <= 9  # short: the FAIL line, a header, two frames with their lines, the exception
+
+
+def test_only_the_innermost_learners_frames_are_shown():
+    def f1():
+        return 1 / 0
+
+    def f2():
+        return f1()
+
+    def f3():
+        return f2()
+
+    def f4():
+        return f3()
+
+    def f5():
+        return f4()
+
+    verdict = check.grade("1.1", lambda precision, optimizer: f5())  # six frames of the learner's
+    frames = [line for line in verdict.traceback.splitlines() if line.startswith("  File ")]
+    assert [f.rsplit(" ", 1)[1] for f in frames] == ["f4", "f3", "f2", "f1"][-check.MAX_FRAMES:]
+    assert "2 earlier frame(s) of yours" in verdict.traceback
+    assert verdict.traceback.endswith("ZeroDivisionError: division by zero")
+
+
+def test_an_assert_in_the_learners_code_is_theirs_a_graders_assert_is_the_verdict():
+    def asserts(precision, optimizer):
+        assert precision == "never", "my own check"
+
+    mine = check.grade("1.1", asserts)
+    assert mine.status == "FAIL" and mine.detail.startswith("your function raised AssertionError: my own check")
+    assert "in asserts" in mine.traceback
+    graders = check.grade("1.1", lambda precision, optimizer: 17)
+    assert graders.status == "FAIL" and "expected" in graders.detail and graders.traceback == ""
+    assert "\n" not in str(graders)
 
 
 def test_unknown_task_is_refused_naming_the_known_ones():
@@ -62,3 +106,23 @@ def test_task_and_expect_print_exactly_one_line(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("PASS Task 1.1")
     assert lines[1:] == ["PASS two is even (2 % 2 = 0)", "FAIL three is even"]
+
+
+def solution_lines(min_length: int = 30) -> list[tuple[str, str]]:
+    """(lab, line) for every line of code in the labs' solution regions, comments dropped, short lines left out."""
+    lines = []
+    for lab in sorted((Path(__file__).resolve().parents[1] / "exercises" / "solutions").glob("lab*.ipynb")):
+        for cell in json.loads(lab.read_text())["cells"]:
+            for region in "".join(cell["source"]).split("# BEGIN SOLUTION")[1:]:
+                for line in region.split("# END SOLUTION")[0].splitlines()[1:]:
+                    code = line.split("#")[0].strip()
+                    if len(code) >= min_length:
+                        lines.append((lab.name, code))
+    return lines
+
+
+def test_no_grader_holds_a_line_of_a_tasks_solution():
+    graders = [m for m in vars(check).values() if inspect.ismodule(m) and m.__name__.startswith(check.__name__)]
+    graded = {line.split("#")[0].strip() for m in graders for line in inspect.getsource(m).splitlines()}
+    shared = [(lab, line) for lab, line in solution_lines() if line in graded]
+    assert not shared, f"{shared[0][0]}: a grader holds the solution's line {shared[0][1]!r}"

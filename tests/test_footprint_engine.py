@@ -17,7 +17,7 @@ OPTIONS = {"plain": {}, "delayed": {"delay_updates_after": 0}, "static split": {
 def host_bytes(opt: OffloadAdam) -> int:
     """Pinned host bytes the optimizer holds: every buffer of every subgroup and of the NVMe working sets, each
     storage counted once (device-held buffers excluded)."""
-    tensors = [t for sub in opt.subgroups for t in sub.buffers.values()]
+    tensors = [t for sub in opt.subgroups for t in sub.held().values()]
     if opt.nvme is not None:
         tensors += [t for working_set in opt.nvme.sets for t in working_set.values()]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors

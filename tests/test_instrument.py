@@ -1,10 +1,10 @@
-"""Per-phase link bytes and device-memory utilisation (minioffload/instrument.py)."""
+"""Per-phase link bytes and device-memory utilisation (minioffload/course/instrument.py)."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from minioffload.instrument import device_memory_series, link_bytes_by_phase, utilisation_by_phase
+from minioffload.course.instrument import device_memory_series, link_bytes_by_phase, utilisation_by_phase
 from minioffload.memory import Ledger
 from minioffload.trace import Trace
 

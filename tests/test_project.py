@@ -18,8 +18,8 @@ def _normalise(spec: str) -> str:
 
 def test_environment_yml_lists_the_same_dependencies_as_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = project["dependencies"] + project["optional-dependencies"]["book"] + \
-        project["optional-dependencies"]["dev"]
+    extras = project["optional-dependencies"]
+    wanted = project["dependencies"] + extras["course"] + extras["book"] + extras["dev"]
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
     listed = [s for s in pip_section if not s.startswith("-e")]

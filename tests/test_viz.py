@@ -7,7 +7,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from minioffload import memory, viz  # noqa: E402
+from minioffload import memory  # noqa: E402
+from minioffload.course import viz  # noqa: E402
 from minioffload.memory import GB  # noqa: E402
 
 
@@ -45,7 +46,7 @@ def test_footprint_figure_stacks_parts_per_tier_and_says_whether_it_fits():
 
 
 def test_footprint_explorer_redraws_with_the_controls_values():
-    from minioffload import widgets
+    from minioffload.course import widgets
 
     calls = []
 

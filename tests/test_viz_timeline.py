@@ -9,10 +9,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.colors import to_rgba  # noqa: E402
 
-from minioffload import viz  # noqa: E402
+from minioffload.course import viz  # noqa: E402
+from minioffload.course.viz.style import LANE_COLORS, lane_color, tier_color  # noqa: E402
 from minioffload.memory import GiB, Ledger  # noqa: E402
 from minioffload.trace import LANE_ORDER, Trace  # noqa: E402
-from minioffload.viz.style import LANE_COLORS, lane_color, tier_color  # noqa: E402
 
 MB = 10**6
 
@@ -167,7 +167,7 @@ def test_memory_over_time_draws_usage_and_capacity_in_gib():
 
 
 def test_timeline_explorer_redraws_with_the_lanes_and_zoom_chosen():
-    from minioffload import widgets
+    from minioffload.course import widgets
 
     calls = []
 

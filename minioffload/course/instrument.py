@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .trace import Trace
+from ..trace import Trace
 from .viz.memory_plot import usage_series
 
 

@@ -1,4 +1,4 @@
-"""Interactive wrappers over the figure functions in `minioffload.viz`.
+"""Interactive wrappers over the figure functions in `minioffload.course.viz`.
 
 Thin on purpose: each widget only maps controls to a pure figure function's arguments, so the
 static book shows the same figure and tests call the function, not the widget.
@@ -13,8 +13,8 @@ import matplotlib.pyplot as plt
 from IPython.display import display
 from matplotlib.figure import Figure
 
-from .memory import GB, OPTIMIZERS, PLACEMENTS, PRECISIONS
-from .trace import Trace
+from ..memory import GB, OPTIMIZERS, PLACEMENTS, PRECISIONS
+from ..trace import Trace
 from .viz import footprint_figure, timeline
 
 

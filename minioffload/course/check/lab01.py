@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from .. import memory, profiles
-from . import grader
+from ... import memory, profiles
+from .grading import grader
 
 # GPU and host sizes of the course's hardware table (profiles.PRESETS), smallest first.
 GPU_BYTES = sorted({hw.device_memory for hw in profiles.PRESETS.values()})

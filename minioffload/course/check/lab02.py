@@ -7,6 +7,10 @@ made slow at a time (the H2D link, the kernel, the D2H link). A slow stage makes
 show up as a wrong chunk in every trial, not one trial in three; the trace of the failed run then
 says which rule was broken. Verdicts carry counts and sizes, never timings, so they are the same on
 every run.
+
+No grader here holds a task's answer. Which waits a schedule needs (2.3) is what the strict simulator's hazard
+checker finds when a wait is left out of `pipeline.overlapped`; the makespan (2.5) is what the runtime's list
+scheduler (schedule.py) makes of the rules, stated as operations and their dependencies.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ from collections.abc import Callable
 
 import torch
 
-from .. import pipeline
-from ..device import Link
-from ..pinned import aligned_empty
-from ..trace import Span, Trace
-from . import grader, sim_device
+from ... import pipeline
+from ...device import Link
+from ...hazards import HazardError
+from ...pinned import aligned_empty
+from ...schedule import Plan, schedule
+from ...trace import Span, Trace
+from .grading import grader, sim_device
 
 # ---------------------------------------------------------------------------------------------
 # Task 2.2: the double-buffered pipeline
@@ -194,12 +200,31 @@ def double_buffered(fn: Callable) -> str:
 # ---------------------------------------------------------------------------------------------
 # Task 2.3: which waits a schedule needs
 
-ALWAYS = frozenset({"compute_after_h2d", "d2h_after_compute"})
-SAFETY_RUNS = ((NUM_CHUNKS, 2), (4, 4))  # (num_chunks, buffers) run on the sim with the learner's answer
+SAFETY_RUNS = ((NUM_CHUNKS, 2), (4, 4))  # (num_chunks, buffers) run on the jittery sim with the learner's answer
+HAZARD_FLOATS = 16  # the strict sim checks the order of accesses, not their timing: tiny chunks do
 
 
-def expected_waits(num_chunks: int, buffers: int) -> frozenset[str]:
-    return pipeline.WAITS if buffers < num_chunks else ALWAYS
+def hazard(num_chunks: int, buffers: int, waits: frozenset[str]) -> str | None:
+    """Run pipeline.overlapped with `waits` on the strict sim, whose hazard checker stops at the first access a
+    GPU could run in the wrong order (vector clocks, not timing: the same answer every run); its message, or None."""
+    with sim_device(strict=True) as dev:
+        chunks_in = [dev.host_empty(HAZARD_FLOATS).fill_(k) for k in range(num_chunks)]
+        chunks_out = [dev.host_empty(HAZARD_FLOATS) for _ in range(num_chunks)]
+        try:
+            pipeline.overlapped(dev, chunks_in, chunks_out, _double, None, buffers=buffers, waits=waits)
+        except HazardError as err:
+            return str(err)
+    return None
+
+
+def needed_by_hazards(num_chunks: int, buffers: int) -> dict[str, str]:
+    """The rules the pipeline needs, each with what the strict sim reports when it is left out."""
+    found = {}
+    for rule in sorted(pipeline.WAITS):
+        message = hazard(num_chunks, buffers, pipeline.WAITS - {rule})
+        if message is not None:
+            found[rule] = message
+    return found
 
 
 def _overlapped_with(waits: frozenset[str], buffers: int, num_chunks: int) -> Callable:
@@ -212,22 +237,25 @@ def _overlapped_with(waits: frozenset[str], buffers: int, num_chunks: int) -> Ca
 @grader("2.3")
 def needed_waits(fn: Callable) -> str:
     """fn(num_chunks, buffers) -> the subset of pipeline.WAITS the overlapped pipeline needs."""
-    cases = 0
+    cases, fewest = 0, len(pipeline.WAITS)
     for num_chunks in range(1, 7):
         for buffers in range(1, 8):
             got = fn(num_chunks, buffers)
             assert isinstance(got, (set, frozenset)), f"needed_waits returned {got!r}; return a set of rule names"
             unknown = set(got) - pipeline.WAITS
             assert not unknown, f"unknown rule names {sorted(unknown)}; the rules are {sorted(pipeline.WAITS)}"
-            expected = expected_waits(num_chunks, buffers)
-            if set(got) != expected:
-                missing, extra = sorted(expected - set(got)), sorted(set(got) - expected)
-                why = (f"chunk {buffers} reuses chunk 0's buffers, so the reuse rules are needed"
-                       if buffers < num_chunks else
-                       f"every chunk has its own buffers (buffers >= {num_chunks} chunks), so no reuse rule is "
-                       "needed: an unneeded wait only costs time")
-                raise AssertionError(f"needed_waits({num_chunks}, {buffers}) returned {sorted(got)}, expected "
-                                     f"{sorted(expected)} (missing {missing}, extra {extra}): {why}")
+            needed = needed_by_hazards(num_chunks, buffers)
+            call = f"needed_waits({num_chunks}, {buffers}) returned {sorted(got)}"
+            missing, extra = sorted(needed.keys() - got), sorted(set(got) - needed.keys())
+            if missing:
+                raise AssertionError(f"{call}, without {missing[0]!r}: pipeline.overlapped with your waits on the "
+                                     f"strict simulator stops at a hazard: {needed[missing[0]]}")
+            if extra:
+                raise AssertionError(f"{call}, with {extra[0]!r}, which the pipeline does not need here: without "
+                                     f"it, pipeline.overlapped with num_chunks={num_chunks} and buffers={buffers} "
+                                     "runs with no hazard on the strict simulator, and an unneeded wait only "
+                                     "costs time")
+            fewest = min(fewest, len(needed))
             cases += 1
     for num_chunks, buffers in SAFETY_RUNS:
         waits = frozenset(fn(num_chunks, buffers))
@@ -238,7 +266,7 @@ def needed_waits(fn: Callable) -> str:
                          jitter=JITTER, seed=0, **options)
     runs = len(SAFETY_RUNS) * len(SCENARIOS)
     return (f"{cases} (num_chunks, buffers) cases match; your waits kept {runs} jittered runs correct; "
-            f"{len(ALWAYS)} rules suffice when no buffer is reused")
+            f"{fewest} rules suffice when no buffer is reused")
 
 
 def _check_slice(run: Callable, kernel: Callable, num_chunks: int, what: str, **options) -> None:
@@ -306,18 +334,34 @@ def overlap_fraction(fn: Callable) -> str:
 # ---------------------------------------------------------------------------------------------
 # Task 2.5: predict the makespan from the rules
 
-def reference_makespan(num_chunks: int, buffers: int, h2d: float, compute: float, d2h: float) -> float:
-    """When the last D2H ends if every stage starts as soon as its stream and its waits allow."""
-    h2d_end, compute_end, d2h_end = [], [], []
+def scheduled_makespan(num_chunks: int, buffers: int, h2d: float, compute: float, d2h: float) -> float:
+    """The lab's rules as a plan: one op per chunk and stage on its stream (a stream runs in order), depending on
+    the ops its waits name; the runtime's list scheduler (schedule.py, the step model's) places each op as early
+    as those allow. Returns when the last D2H op ends."""
+    plan = Plan()
+    ops: dict[str, list[int]] = {"h2d": [], "compute": [], "d2h": []}
+
+    def earlier(stage: str, k: int) -> int | None:  # chunk k's op of `stage`; none before chunk 0
+        return ops[stage][k] if k >= 0 else None
+
     for k in range(num_chunks):
-        reuse = k - buffers  # the chunk whose buffers chunk k takes over (none when negative)
-        start = max(h2d_end[k - 1] if k else 0.0, compute_end[reuse] if reuse >= 0 else 0.0)
-        h2d_end.append(start + h2d)
-        start = max(compute_end[k - 1] if k else 0.0, h2d_end[k], d2h_end[reuse] if reuse >= 0 else 0.0)
-        compute_end.append(start + compute)
-        start = max(d2h_end[k - 1] if k else 0.0, compute_end[k])
-        d2h_end.append(start + d2h)
-    return d2h_end[-1] if num_chunks else 0.0
+        ops["h2d"].append(plan.add("h2d", f"h2d {k}", h2d, [earlier("compute", k - buffers)], stream="h2d"))
+        ops["compute"].append(plan.add("compute", f"compute {k}", compute,
+                                       [ops["h2d"][k], earlier("d2h", k - buffers)], stream="compute"))
+        ops["d2h"].append(plan.add("d2h", f"d2h {k}", d2h, [ops["compute"][k]], stream="d2h"))
+    schedule(plan, resource_of=lambda lane: lane)
+    return max((plan.ops[i].end for i in ops["d2h"]), default=0.0)
+
+
+def _makespan_hint(got: float, num_chunks: int, h2d: float, compute: float, d2h: float) -> str:
+    """What an answer outside the bounds every schedule keeps shows (invariants, not the answer)."""
+    ideal = h2d + compute + d2h + (num_chunks - 1) * max(h2d, compute, d2h)  # a buffer per chunk: nothing waits
+    if got < ideal * (1 - 1e-9):
+        return (f"; no schedule is shorter than {ideal:g}, the first chunk's three stages plus the busiest stream's "
+                "other chunks: a rule that makes an op wait is missing")
+    if got > num_chunks * (h2d + compute + d2h) * (1 + 1e-9):
+        return "; that is longer than running every op one after another: an op waits for more than its rules"
+    return ""
 
 
 STAGE_TIMES = ((1.0, 1.0, 1.0), (2.0, 1.0, 1.0), (1.0, 3.0, 1.0), (1.0, 1.0, 2.0), (0.5, 2.0, 0.25),
@@ -331,11 +375,12 @@ def pipeline_makespan(fn: Callable) -> str:
     for times in STAGE_TIMES:
         for num_chunks in range(1, 9):
             for buffers in range(1, 5):
-                expected = reference_makespan(num_chunks, buffers, *times)
+                expected = scheduled_makespan(num_chunks, buffers, *times)
                 got = fn(num_chunks, buffers, *times)
                 assert isinstance(got, (int, float)) and abs(got - expected) <= 1e-9 * max(1.0, expected), (
                     f"pipeline_makespan({num_chunks}, {buffers}, h2d={times[0]}, compute={times[1]}, "
-                    f"d2h={times[2]}) returned {got!r}, expected {expected:g}")
+                    f"d2h={times[2]}) returned {got!r}, expected {expected:g}"
+                    + (_makespan_hint(got, num_chunks, *times) if isinstance(got, (int, float)) else ""))
                 cases += 1
     one, two = fn(8, 1, 1.0, 1.0, 1.0), fn(8, 2, 1.0, 1.0, 1.0)
     return (f"{cases} cases match; 8 chunks with equal stages take {one:g} stage times with 1 buffer, "

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from . import grader
+from .grading import grader
 
 POOL_SLOTS = 3
 HAMMER_THREADS, HAMMER_ROUNDS = 8, 200

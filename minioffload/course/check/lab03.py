@@ -2,8 +2,10 @@
 
 Each grader compares the learner's scalar Python function with the runtime (`minioffload.adam`,
 `minioffload.lowp`) and with torch. Inputs are seeded, so a verdict is the same on every run.
-Task 3.4's expected count for `adam_inplace` is not typed in: it is measured by running
-`adam._adam_inplace` on arrays that log every NumPy operation (`inplace_passes`), so it follows the
+No answer is typed in here. Task 3.1's constants are read off one step of torch's AdamW (`torch_constants`).
+Task 3.4's counts are measured: `adam._adam_inplace` runs on arrays that log every NumPy operation
+(`inplace_passes`), and each pass of the other versions (the runtime's kernels, torch's copies) runs on
+arrays whose reads and writes are found by what the pass does (`measured_pass`), so the counts follow the
 code if the code changes.
 """
 
@@ -15,8 +17,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .. import adam
-from . import grader
+from ... import adam
+from .grading import grader
 
 # ---------------------------------------------------------------------------------------------
 # Task 3.1: the bias-corrected step size
@@ -26,8 +28,23 @@ STEP_HYPER = ((1e-3, 0.9, 0.999), (3e-4, 0.9, 0.95), (1.0, 0.5, 0.9), (2e-2, 0.0
 STEP_RTOL = 1e-12
 
 
-def _step_constants(step: int, lr: float, beta1: float, beta2: float) -> tuple[float, float]:
-    return lr / (1 - beta1**step), math.sqrt(1 - beta2**step)
+def torch_constants(step: int, lr: float, beta1: float, beta2: float) -> tuple[float, float]:
+    """(step_size, bias_correction2_sqrt) as torch's AdamW applies them at `step`, read off one float64 step.
+
+    torch moves a weight by -step_size * m / (sqrt(v) / bias_correction2_sqrt + eps). Two weights at 0 start
+    from the state of step - 1 with m = v = 1 and get the gradient 1, so m and v stay 1 (to rounding): with
+    eps = 0 the first moves by step_size * bias_correction2_sqrt, with eps = 1e20 the second by step_size / 1e20.
+    """
+    weights = [torch.zeros(1, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    opt = torch.optim.AdamW([{"params": [weights[0]], "eps": 0.0}, {"params": [weights[1]], "eps": 1e20}],
+                            lr=lr, betas=(beta1, beta2), weight_decay=0.0, foreach=False)
+    for w in weights:
+        w.grad = torch.ones(1, dtype=torch.float64)
+        opt.state[w] = {"step": torch.tensor(float(step - 1)), "exp_avg": torch.ones(1, dtype=torch.float64),
+                        "exp_avg_sq": torch.ones(1, dtype=torch.float64)}
+    opt.step()
+    product, step_size = -float(weights[0].detach()), -float(weights[1].detach()) * 1e20
+    return step_size, product / step_size
 
 
 @grader("3.1")
@@ -39,11 +56,12 @@ def step_constants(fn: Callable) -> str:
             got = fn(step, lr, beta1, beta2)
             assert isinstance(got, tuple) and len(got) == 2, (
                 f"{call} returned {got!r}; expected a tuple (step_size, bias_correction2_sqrt)")
-            for value, want, name, formula in zip(got, _step_constants(step, lr, beta1, beta2),
+            for value, want, name, formula in zip(got, torch_constants(step, lr, beta1, beta2),
                                                   ("step_size", "bias_correction2_sqrt"),
                                                   ("lr / (1 - beta1**step)", "sqrt(1 - beta2**step)"), strict=True):
                 assert isinstance(value, (int, float)) and math.isclose(value, want, rel_tol=STEP_RTOL), (
-                    f"{call}: {name} is {value!r}, expected {want!r} (= {formula}, in float64 Python floats)")
+                    f"{call}: {name} is {value!r}, expected {want!r} (= {formula}, in float64 Python floats, as "
+                    "torch's AdamW applies it)")
     for step in (0, -1):
         try:
             got = fn(step, 1e-3, 0.9, 0.999)
@@ -216,17 +234,65 @@ def to_bf16_bits(fn: Callable) -> str:
 # ---------------------------------------------------------------------------------------------
 # Task 3.4: bytes moved per parameter
 
-FIXED_PASSES = {  # version -> [(pass, [(array, bytes read)], [(array, bytes written)])]
-    "adam_fused": [("the fused fp32 step", [("param", 4), ("grad", 4), ("exp_avg", 4), ("exp_avg_sq", 4)],
-                    [("param", 4), ("exp_avg", 4), ("exp_avg_sq", 4)])],
+MEASURE_N = 64  # elements of the arrays a pass is measured on
+PASS_HYPER = {"step": 3, "lr": 1e-2, "weight_decay": 0.01}
+FP32, BF16 = torch.float32, torch.bfloat16
+
+
+def _fused_step(names: tuple[str, str, str, str]) -> Callable[[dict], None]:
+    param, grad, exp_avg, exp_avg_sq = names
+    return lambda a: adam.adam_fused(a[param], a[grad], a[exp_avg], a[exp_avg_sq], **PASS_HYPER)
+
+
+# version -> its passes as (name, {array: dtype}, run(arrays)): the runtime's kernels, and torch's copies for the
+# composition of three passes (chapter 3's). Which arrays a pass reads and writes is measured, not typed in.
+MEASURED_VERSIONS = {
+    "adam_fused": [("the fused fp32 step", {"param": FP32, "grad": FP32, "exp_avg": FP32, "exp_avg_sq": FP32},
+                    _fused_step(("param", "grad", "exp_avg", "exp_avg_sq")))],
     "adam_mixed": [("the fused mixed step",
-                    [("fp32 master", 4), ("bf16 grad", 2), ("exp_avg", 4), ("exp_avg_sq", 4)],
-                    [("fp32 master", 4), ("exp_avg", 4), ("exp_avg_sq", 4), ("bf16 weights", 2)])],
-    "three_pass": [("upcast", [("bf16 grad", 2)], [("fp32 grad", 4)]),
-                   ("the fused fp32 step", [("param", 4), ("fp32 grad", 4), ("exp_avg", 4), ("exp_avg_sq", 4)],
-                    [("param", 4), ("exp_avg", 4), ("exp_avg_sq", 4)]),
-                   ("downcast", [("param", 4)], [("bf16 weights", 2)])],
+                    {"fp32 master": FP32, "bf16 grad": BF16, "exp_avg": FP32, "exp_avg_sq": FP32, "bf16 weights": BF16},
+                    lambda a: adam.adam_mixed(a["fp32 master"], a["bf16 grad"], a["exp_avg"], a["exp_avg_sq"],
+                                              a["bf16 weights"], dtype="bf16", **PASS_HYPER))],
+    "three_pass": [("upcast", {"bf16 grad": BF16, "fp32 grad": FP32}, lambda a: a["fp32 grad"].copy_(a["bf16 grad"])),
+                   ("the fused fp32 step",
+                    {"param": FP32, "fp32 grad": FP32, "exp_avg": FP32, "exp_avg_sq": FP32},
+                    _fused_step(("param", "fp32 grad", "exp_avg", "exp_avg_sq"))),
+                   ("downcast", {"param": FP32, "bf16 weights": BF16}, lambda a: a["bf16 weights"].copy_(a["param"]))],
 }
+
+
+def _filled(dtypes: dict[str, torch.dtype], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {name: (0.1 + torch.rand(MEASURE_N, generator=g)).to(dtype) for name, dtype in dtypes.items()}
+
+
+def measured_pass(dtypes: dict[str, torch.dtype], run: Callable[[dict], None]
+                  ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """([(array, bytes read)], [(array, bytes written)]) per element of one pass, found by what it does: it
+    writes an array whose values it changes, and reads one whose values change what it writes. Each array
+    counts once, at the width of its dtype (one pass touches each element once)."""
+    before = _filled(dtypes, seed=1)
+    after = {name: t.clone() for name, t in before.items()}
+    run(after)
+    written = [name for name in dtypes if not torch.equal(after[name], before[name])]
+    reads = []
+    for name in dtypes:
+        other = {k: t.clone() for k, t in before.items()}
+        other[name] = _filled({name: dtypes[name]}, seed=2)[name]  # other values in this array alone
+        run(other)
+        if any(not torch.equal(other[w], after[w]) for w in written):
+            reads.append(name)
+    size = {name: torch.empty(0, dtype=dtype).element_size() for name, dtype in dtypes.items()}
+    return [(name, size[name]) for name in reads], [(name, size[name]) for name in written]
+
+
+def version_passes(version: str) -> list[tuple[str, list[tuple[str, int]], list[tuple[str, int]]]]:
+    """The passes of one version with the bytes each reads and writes per parameter, measured."""
+    if version == "adam_inplace":
+        return inplace_passes()
+    return [(label, *measured_pass(dtypes, run)) for label, dtypes, run in MEASURED_VERSIONS[version]]
+
+
 VERSION_HINTS = {
     "adam_fused": "16 B is what Adam keeps per parameter in fp32 (param, grad, m, v); a pass reads all four "
                   "and writes three back",
@@ -293,7 +359,7 @@ def _breakdown(passes) -> str:
 @grader("3.4")
 def bytes_moved(fn: Callable) -> str:
     """fn(version) -> bytes read plus bytes written per parameter by one Adam step of that version."""
-    versions = {**FIXED_PASSES, "adam_inplace": inplace_passes()}
+    versions = {version: version_passes(version) for version in (*MEASURED_VERSIONS, "adam_inplace")}
     for version, passes in versions.items():
         expected, got = _total(passes), fn(version)
         assert got == expected and not isinstance(got, bool), (
@@ -303,4 +369,4 @@ def bytes_moved(fn: Callable) -> str:
     inplace = versions["adam_inplace"]
     return (f"all {len(versions)} versions match: fused {fn('adam_fused')}, mixed {fn('adam_mixed')}, "
             f"three-pass {fn('three_pass')}, in-place NumPy {fn('adam_inplace')} B/param "
-            f"({len(inplace)} passes, {_total(inplace) / _total(FIXED_PASSES['adam_fused']):.1f}x the fused pass)")
+            f"({len(inplace)} passes, {_total(inplace) / _total(versions['adam_fused']):.1f}x the fused pass)")

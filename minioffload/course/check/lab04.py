@@ -18,9 +18,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..device import Link
-from ..memory import format_bytes
-from . import grader, sim_device
+from ...device import Link
+from ...units import format_bytes
+from .grading import grader, sim_device
 
 JITTER = 2e-4  # s: each stream op starts up to this late
 SLOW_LINK = Link(bandwidth=4e6, latency=1e-3)  # every copy takes over 1 ms: still in flight when the host looks
@@ -158,9 +158,7 @@ def _hook_trial(fn: Callable, seed: int) -> tuple[int, int]:
     expected = [p.grad for p in reference.parameters()]
     names = dict(enumerate(f"parameter {name} {tuple(p.shape)}" for name, p in model.named_parameters()))
     with sim_device(jitter=JITTER, seed=seed, d2h=SLOW_LINK) as dev:
-        params = list(model.parameters())
-        for p in params:
-            dev.adopt(p, "param")
+        params = dev.place(model.parameters())
         param_bytes = dev.ledger.used("device")
         staging = {p: dev.host_empty(tuple(p.shape)).fill_(SENTINEL) for p in params}  # pinned host buffers
         staging_ptrs = {i: staging[p].data_ptr() for i, p in enumerate(params)}
@@ -270,8 +268,7 @@ def _update_run(fn: Callable, layout: list[list[int]], lr: float, weight_decay: 
     where = {i: (k, j) for k, indices in enumerate(layout) for j, i in enumerate(indices)}
     remaining_at_first_upload = []
     with sim_device(jitter=JITTER, seed=seed, h2d=SLOW_LINK) as dev:
-        for p in params:
-            dev.adopt(p, "param")
+        dev.place(params)
         param_of_storage = {_storage(p): i for i, p in enumerate(params)}
         subgroups = _subgroups(dev, params, layout)
         h2d = dev.stream("h2d")

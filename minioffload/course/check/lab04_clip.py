@@ -1,6 +1,9 @@
 """Graders for Lab 4, Tasks 4.3 and 4.4: the clipping combine and the bytes that cross the link.
 
 Tasks 4.1 and 4.2 (the gradient hook, the update-and-upload loop) are graded in lab04.py.
+Neither grader holds the answer: the norm and the coefficient are what torch's clip_grad_norm_ returns and
+applies (the coefficient measured on a probe gradient), and the bytes per step are what `OffloadAdam` moves over
+the simulated device's link in one step.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from . import grader
+from ...offload import OffloadAdam
+from .grading import grader, sim_device
 
 # ---------------------------------------------------------------------------------------------
 # Task 4.3: the clipping coefficient from per-subgroup partial sums
@@ -51,6 +55,16 @@ def _close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=CLIP_RTOL, abs_tol=1e-12)
 
 
+def torch_coefficient(total_norm: float, max_norm: float) -> float:
+    """The factor clip_grad_norm_ multiplies the gradients by, when their norm is `total_norm`: measured on one
+    float64 probe gradient of that norm (one tiny enough to count as zero for a zero norm)."""
+    probe = nn.Parameter(torch.zeros(1, dtype=torch.float64))
+    value = total_norm if total_norm > 0 else 1e-200  # its square underflows: torch sees a norm of 0
+    probe.grad = torch.full((1,), value, dtype=torch.float64)
+    nn.utils.clip_grad_norm_([probe], max_norm)
+    return float(probe.grad) / value
+
+
 @grader("4.3")
 def clip_coefficient(fn: Callable) -> str:
     """fn(partial_sums_of_squares, max_norm) -> (total_norm, coefficient), as clip_grad_norm_ computes them."""
@@ -64,7 +78,7 @@ def clip_coefficient(fn: Callable) -> str:
         for p, g in zip(copies, grads, strict=True):
             p.grad = g.clone()
         norm = float(nn.utils.clip_grad_norm_(copies, max_norm))
-        coef = min(1.0, max_norm / (norm + 1e-6))
+        coef = torch_coefficient(norm, max_norm)
         call = f"{what}: clip_coefficient({[float(f'{s:.4g}') for s in partial]}, max_norm={max_norm:.4g})"
         try:
             got = fn(list(partial), max_norm)
@@ -102,13 +116,32 @@ LINK_PARAMS = (1, 1000, 124_000_000, 7_000_000_000)
 LINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def engine_link_bytes(dtype: torch.dtype) -> int:
+    """Bytes per parameter one step of `OffloadAdam` moves over the sim device's link (both directions, as its
+    trace records them), for a small model in `dtype`."""
+    g = torch.Generator().manual_seed(44)
+    with torch.random.fork_rng(devices=[]):  # the learner's random state stays as it was
+        model = nn.Linear(16, 8).to(dtype)
+    with sim_device() as dev:
+        dev.place(model)
+        opt = OffloadAdam(model.parameters(), dev, lr=1e-3)
+        model(torch.randn(4, 16, generator=g).to(dtype)).float().square().mean().backward()
+        opt.step()
+        dev.synchronize()
+        moved = sum(span.nbytes for lane in ("d2h", "h2d") for span in dev.trace.on(lane))
+    numel = sum(p.numel() for p in model.parameters())
+    assert moved % numel == 0, f"the engine moved {moved} bytes for {numel} parameters, not a whole number each"
+    return moved // numel
+
+
 @grader("4.4")
 def link_bytes_per_step(fn: Callable) -> str:
     """fn(num_params, model_dtype) -> bytes per step over the link: gradients down plus weights up."""
-    for dtype in LINK_DTYPES:
+    measured = {dtype: engine_link_bytes(dtype) for dtype in LINK_DTYPES}
+    for dtype, per_param in measured.items():
         size = torch.empty(0, dtype=dtype).element_size()
         for num_params in LINK_PARAMS:
-            expected = 2 * size * num_params
+            expected = per_param * num_params
             got = fn(num_params, dtype)
             call = f"link_bytes_per_step({num_params:_}, {dtype})"
             if isinstance(got, (int, float)) and not isinstance(got, bool) and got == expected:
@@ -117,9 +150,10 @@ def link_bytes_per_step(fn: Callable) -> str:
             hint = ("that counts one direction: the gradients come down and the new weights go up, both in the "
                     "model's dtype" if per == size else
                     "both directions carry the model's dtype (the fp32 master copy never leaves the host)"
-                    if per is not None and per > 2 * size else f"expected {2 * size} bytes per parameter")
+                    if per is not None and per > per_param else
+                    f"OffloadAdam moves {per_param} bytes per parameter of a {dtype} model in one step")
             raise AssertionError(f"{call} returned {got!r}, expected {expected:_}: {hint}")
     cases = len(LINK_DTYPES) * len(LINK_PARAMS)
     big = fn(7_000_000_000, torch.bfloat16)
-    return (f"{cases} cases match: 4 bytes per parameter for a 16-bit model, 8 for fp32; a 7B bf16 model sends "
-            f"{big / 1e9:.0f} GB over the link every step")
+    return (f"{cases} cases match: {measured[torch.bfloat16]} bytes per parameter for a 16-bit model, "
+            f"{measured[torch.float32]} for fp32; a 7B bf16 model sends {big / 1e9:.0f} GB over the link every step")

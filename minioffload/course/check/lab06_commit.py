@@ -21,7 +21,7 @@ from pathlib import Path
 
 import xxhash
 
-from . import grader
+from .grading import grader
 from .lab06 import _patched, _scratch
 
 # ---------------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..pinned import aligned_empty
-from . import grader
+from ...pinned import aligned_empty
+from .grading import grader
 
 # ---------------------------------------------------------------------------------------------
 # Task 6.3: the three-stage pipeline

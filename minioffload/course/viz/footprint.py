@@ -1,7 +1,7 @@
 """Figures for chapter 1: where the bytes of a training setup live, and what fits on which GPU.
 
 Pure functions: arguments in, a matplotlib Figure out, no global state and no display. The widgets
-in `minioffload.widgets` wrap them; tests call them directly.
+in `minioffload.course.widgets` wrap them; tests call them directly.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
-from ..memory import GB, PLACEMENTS, TIERS, footprint
+from ...memory import GB, PLACEMENTS, TIERS, footprint
 from .style import PART_COLORS, PLACEMENT_STYLES
 
 

@@ -15,7 +15,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
-from ..memory import Ledger, format_bytes
+from ...memory import Ledger
+from ...units import format_bytes
 from .style import tier_color
 
 _UNITS = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024), ("B", 1))

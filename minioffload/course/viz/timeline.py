@@ -17,7 +17,7 @@ from matplotlib.axes import Axes
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 
-from ..trace import Trace
+from ...trace import Trace
 from .style import lane_color
 
 _LABEL_FONT = 7  # points

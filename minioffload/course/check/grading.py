@@ -1,0 +1,122 @@
+"""The grading machinery: the registry of graders, verdicts, and the lines a check cell prints.
+
+The lab modules (lab01.py ...) register their graders here with `@grader("1.2")`; the package's __init__ imports
+them all and re-exports `task`, `expect` and `grade` (see its docstring). A module of its own so that the lab
+modules import it and not the package that imports them (no import cycle).
+"""
+
+from __future__ import annotations
+
+import sysconfig
+import traceback
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+GRADERS: dict[str, Callable[[Callable], str]] = {}
+
+
+def grader(task_id: str) -> Callable:
+    """Register `fn(learner_fn) -> detail` as the grader of `task_id`; it raises AssertionError to fail."""
+    def register(fn: Callable[[Callable], str]) -> Callable[[Callable], str]:
+        if task_id in GRADERS:
+            raise ValueError(f"Task {task_id} has a grader already")
+        GRADERS[task_id] = fn
+        return fn
+    return register
+
+
+@dataclass(frozen=True)
+class Verdict:
+    task_id: str
+    status: str  # "PASS", "FAIL" or "TODO"
+    detail: str
+    traceback: str = ""  # when the learner's code raised: its own frames and the exception, else ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "PASS"
+
+    def __str__(self) -> str:
+        line = f"{self.status} Task {self.task_id}: {self.detail}"
+        return f"{line}\n{self.traceback}" if self.traceback else line
+
+
+# Frames in these folders are not the learner's: the minioffload package (graders, runtime) and Python's and the
+# installed libraries' own files.
+_NOT_LEARNERS = tuple({Path(__file__).resolve().parents[2],
+                       *(Path(p).resolve() for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                         if (p := sysconfig.get_paths().get(key)))})
+MAX_FRAMES = 4  # of the learner's frames, the innermost ones shown
+
+
+def _is_learners(filename: str) -> bool:
+    if filename.startswith("<"):  # "<frozen ...>" is Python's; "<string>", "<stdin>": code the learner ran
+        return not filename.startswith("<frozen")
+    path = Path(filename).resolve()
+    return not any(path.is_relative_to(folder) for folder in _NOT_LEARNERS)
+
+
+def learner_traceback(err: BaseException) -> str:
+    """The traceback of `err` cut to the learner's frames (the innermost MAX_FRAMES), then the exception."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if _is_learners(f.filename)]
+    shown = traceback.StackSummary.from_list(frames[-MAX_FRAMES:]).format()
+    skipped = [f"  ... {len(frames) - MAX_FRAMES} earlier frame(s) of yours\n"] if len(frames) > MAX_FRAMES else []
+    head = "Traceback (your code only, most recent call last):\n" if frames else ""
+    return (head + "".join(skipped + shown) + "".join(traceback.format_exception_only(type(err), err))).rstrip("\n")
+
+
+def _raised_by_learner(err: BaseException) -> bool:
+    """Whether the innermost frame of err's traceback is the learner's (an `assert` in their own code)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and _is_learners(frames[-1].filename)
+
+
+def _crashed(task_id: str, err: Exception) -> Verdict:
+    return Verdict(task_id, "FAIL", f"your function raised {type(err).__name__}: {err}", learner_traceback(err))
+
+
+def grade(task_id: str, fn: Callable) -> Verdict:
+    """Run Task `task_id`'s grader on `fn` and return its verdict (never raises for a wrong answer)."""
+    if task_id not in GRADERS:
+        raise ValueError(f"no grader for Task {task_id!r}; known tasks: {', '.join(sorted(GRADERS))}")
+    if not callable(fn):
+        return Verdict(task_id, "FAIL", f"expected your function, got {type(fn).__name__}")
+    try:
+        return Verdict(task_id, "PASS", GRADERS[task_id](fn))
+    except NotImplementedError:
+        return Verdict(task_id, "TODO", "not done yet: replace `raise NotImplementedError` with your code")
+    except AssertionError as err:
+        if _raised_by_learner(err):  # an assert of the learner's own, not a grader's verdict
+            return _crashed(task_id, err)
+        return Verdict(task_id, "FAIL", str(err) or "a check failed")
+    except Exception as err:  # a learner's bug is a verdict, with the learner's frames only
+        return _crashed(task_id, err)
+
+
+@contextmanager
+def sim_device(**options):
+    """A sim device for a grader, closed afterwards without letting an error at close hide the real failure."""
+    from ...device import device
+
+    dev = device("sim", **options)
+    try:
+        yield dev
+    finally:
+        try:
+            dev.close()
+        except Exception:  # the run's own error, if any, is already on its way up
+            pass
+
+
+def task(task_id: str, fn: Callable) -> None:
+    """Grade and print one line (and the learner's frames when their code raised). Returns None so a notebook
+    cell shows only that."""
+    print(grade(task_id, fn))
+
+
+def expect(claim: str, ok: bool, detail: str = "") -> None:
+    """A chapter's check cell: print 'PASS claim (detail)' or 'FAIL claim (detail)' on one line."""
+    print(f"{'PASS' if ok else 'FAIL'} {claim}" + (f" ({detail})" if detail else ""))
+

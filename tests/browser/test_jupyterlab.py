@@ -150,7 +150,14 @@ def test_lab_one_student_copy_says_todo_for_every_task(browser, lab):
 def test_chapter_two_runs_in_jupyterlab_and_its_timeline_explorer_redraws(browser, lab):
     lines, page = run_all(browser, lab, "02_moving_bytes.ipynb", "PASS waiting on an event never recorded")
     verdicts = [line for line in lines if line.startswith(("PASS ", "FAIL "))]
-    assert len(verdicts) >= 9 and all(v.startswith("PASS ") for v in verdicts), verdicts
+    if any(v.startswith("FAIL ") for v in verdicts):
+        # the chapter's timing checks (copy and pipeline times) can miss on a loaded machine, which this UI test is
+        # not about (nbval checks them): run it again once, and require every check to pass then
+        page.close()
+        lines, page = run_all(browser, lab, "02_moving_bytes.ipynb", "PASS waiting on an event never recorded")
+        verdicts = [line for line in lines if line.startswith(("PASS ", "FAIL "))]
+    assert len(verdicts) >= 9, verdicts
+    assert all(v.startswith("PASS ") for v in verdicts), [v for v in verdicts if not v.startswith("PASS ")]
     assert page.locator('[data-mime-type="application/vnd.jupyter.error"]').count() == 0, "a cell raised"
     # untick a lane in the explorer: its figure is drawn again without that lane
     assert_redraws(page, lambda: page.locator(".widget-checkbox input").first.uncheck())

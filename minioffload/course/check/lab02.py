@@ -89,8 +89,6 @@ def _host_chunks() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 SENTINEL = -1.0  # output chunks are filled with this before each run: "never copied back"
 
 
-
-
 def _describe(got: torch.Tensor, expected: list[torch.Tensor], k: int) -> str:
     """What a wrong output chunk holds, in words: nothing, zeros, another chunk's result, a mix."""
     if torch.all(got == SENTINEL):

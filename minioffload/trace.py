@@ -36,6 +36,10 @@ class Span:
     def duration(self) -> float:
         return self.end - self.start
 
+    def overlaps(self, other: Span) -> bool:
+        """Do the two spans share some time (touching ends do not count)?"""
+        return self.start < other.end and other.start < self.end
+
 
 def union_length(intervals: Iterable[tuple[float, float]]) -> float:
     """Total length covered by a set of intervals (overlaps counted once)."""

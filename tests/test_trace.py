@@ -170,3 +170,10 @@ def test_summaries_are_consistent_for_any_spans(raw):
     for lane in trace.lanes():
         assert 0.0 <= trace.busy(lane) <= trace.makespan() + tolerance
     assert sum(trace.busy(lane) for lane in trace.lanes()) >= union - tolerance
+
+
+def test_spans_overlap_when_they_share_time_not_when_they_touch():
+    a = Span("h2d", "a", 0.0, 1.0)
+    assert a.overlaps(Span("compute", "b", 0.5, 2.0)) and Span("compute", "b", 0.5, 2.0).overlaps(a)
+    assert not a.overlaps(Span("compute", "c", 1.0, 2.0))  # touching ends
+    assert a.overlaps(Span("cpu", "d", 0.2, 0.3))  # inside

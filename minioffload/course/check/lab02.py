@@ -161,10 +161,6 @@ def _run_pipeline(fn: Callable, kernel: Callable, kernel_seconds: float | None, 
     return dev.trace, peak
 
 
-def _overlaps(a: Span, b: Span) -> bool:
-    return a.start < b.end and b.start < a.end
-
-
 @grader("2.2")
 def double_buffered(fn: Callable) -> str:
     """fn(dev, chunks_in, chunks_out, kernel, kernel_seconds): overlapped(..., buffers=2), by hand."""
@@ -183,7 +179,7 @@ def double_buffered(fn: Callable) -> str:
     short = [s for s in lanes["compute"] if s.duration < 0.99 * STRUCTURE_KERNEL_SECONDS]  # float rounding
     assert not short, (f"{len(short)} compute spans are shorter than kernel_seconds: pass it on as "
                        "dev.launch(..., duration=kernel_seconds)")
-    assert any(_overlaps(h, c) for h in lanes["h2d"] for c in lanes["compute"]), (
+    assert any(h.overlaps(c) for h in lanes["h2d"] for c in lanes["compute"]), (
         "results are right, but no H2D copy overlapped any compute: with one stream, or one buffer each way, "
         "chunk k+1 cannot arrive while chunk k is computed; use separate h2d/compute/d2h streams and two "
         "buffers each way, and wait only on the events the rules need")

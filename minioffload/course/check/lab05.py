@@ -285,10 +285,6 @@ def _streamed_run(fn: Callable, what: str, **options):
         return dev.trace, dev.adam_rate
 
 
-def _overlaps(a: Span, b: Span) -> bool:
-    return a.start < b.end and b.start < a.end
-
-
 @grader("5.3")
 def update_streamed(fn: Callable) -> str:
     """fn(dev, subgroups, scratch, streams, update): each subgroup in, updated, out, through two scratch sets."""
@@ -311,7 +307,7 @@ def update_streamed(fn: Callable) -> str:
                        "duration=numel / dev.adam_rate to dev.launch, the sim's model of the kernel")
     h2d = _by_subgroup(trace.on("h2d"), 3, True)
     assert h2d, "the copies in are not 3 per subgroup in subgroup order, each of the subgroup's size"
-    overlapped = [j for j in range(len(SIZES) - 1) if any(_overlaps(s, compute[j]) for s in h2d[j + 1])]
+    overlapped = [j for j in range(len(SIZES) - 1) if any(s.overlaps(compute[j]) for s in h2d[j + 1])]
     assert overlapped, (
         "the host state is right, but no subgroup's copies in overlapped the previous subgroup's update: the "
         "subgroups ran one after another. A synchronize in the loop, one stream for everything, or one scratch "

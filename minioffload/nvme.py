@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import threading
 import time
@@ -56,6 +57,10 @@ class SwapIOError(OSError):
         return self.strerror
 
 
+class _ShortRead(Exception):
+    """A read that got fewer bytes than the index says the file holds."""
+
+
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes, without a copy (any dtype, bf16 included)."""
     return memoryview(tensor.detach().view(torch.uint8).numpy()).cast("B") if tensor.numel() else memoryview(b"")
@@ -67,6 +72,30 @@ def checksum(tensor: torch.Tensor) -> str:
 
 def _padded(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+def _entry_problem(entry) -> str | None:
+    """What is wrong with one index entry ({"slot", "nbytes", "dtype", "shape", "checksum"}), or None."""
+    if not isinstance(entry, dict):
+        return f"its entry is a {type(entry).__name__}, not a table"
+    missing = [name for name in ("slot", "nbytes", "dtype", "shape", "checksum") if name not in entry]
+    if missing:
+        return f"its entry lacks {', '.join(missing)}"
+    slot, nbytes, dtype, shape = entry["slot"], entry["nbytes"], entry["dtype"], entry["shape"]
+    if slot not in (0, 1) or isinstance(slot, bool):
+        return f"slot is {slot!r}, not 0 or 1"
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        return f"nbytes is {nbytes!r}, not a size in bytes"
+    if dtype not in _DTYPES:
+        return f"dtype is {dtype!r}, not one the swapper stores"
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                              for n in shape):
+        return f"shape is {shape!r}, not a list of sizes"
+    if math.prod(shape) * _DTYPES[dtype].itemsize != nbytes:
+        return f"shape {shape} of {dtype} is not {nbytes} bytes"
+    if not isinstance(entry["checksum"], str):
+        return f"checksum is {entry['checksum']!r}, not a string"
+    return None
 
 
 class Swapper:
@@ -118,13 +147,38 @@ class Swapper:
             probe.unlink(missing_ok=True)
 
     def _load_index(self) -> dict:
+        """The index, checked: every entry well formed and its slot file present and long enough. A damaged index
+        raises SwapIOError naming the index, the key and the file, before anything is read or written."""
         path = self.directory / INDEX
         if not path.exists():
             return {}
         try:
-            return json.loads(path.read_text())
+            index = json.loads(path.read_text())
         except (OSError, ValueError) as err:
-            raise SwapIOError(f"cannot read the swap index {path}: {err}", path, "", err) from err
+            raise SwapIOError(f"cannot read the swap index {path}: {err}; restore it, or point the swapper at an "
+                              "empty directory", path, "", err) from err
+        if not isinstance(index, dict):
+            raise SwapIOError(f"the swap index {path} holds a {type(index).__name__}, not a table of keys: it is "
+                              "damaged; restore it, or point the swapper at an empty directory", path, "")
+        for key, entry in index.items():
+            problem = _entry_problem(entry) or self._file_problem(key, entry)
+            if problem:
+                raise SwapIOError(f"the swap index {path} is damaged at key {key!r}: {problem}; restore the index "
+                                  "and its files, or point the swapper at an empty directory", path, key)
+        return index
+
+    def _file_problem(self, key: str, entry: dict) -> str | None:
+        """What is wrong with the slot file an entry points to, or None."""
+        file = self._file(key, entry["slot"])
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            return f"its file {file} is missing"
+        except OSError as err:
+            return f"its file {file} cannot be read ({err.strerror})"
+        if size < _padded(entry["nbytes"]):
+            return f"its file {file} is truncated: {size} bytes, the index says {_padded(entry['nbytes'])}"
+        return None
 
     # checks (before any I/O) -------------------------------------------------------------------
     def _check_buffer(self, tensor: torch.Tensor, what: str) -> None:
@@ -169,6 +223,7 @@ class Swapper:
                 self._size_file(fd, _padded(nbytes))
             except OSError as err:
                 os.close(fd)
+                self._release(key, slot)
                 result.set_exception(self._error("allocate", path, key, err))
                 return
             jobs = [self._pool.submit(self._write_range, fd, tensor, nbytes, lo, hi)
@@ -192,6 +247,8 @@ class Swapper:
                     result.set_exception(err)
                 finally:
                     os.close(fd)
+                    if result.done() and result.exception() is not None:
+                        self._release(key, slot)
 
             self._commits.submit(commit)
 
@@ -223,21 +280,34 @@ class Swapper:
                 raise OSError(errno.EIO, f"short write: {written} of {len(chunk)} bytes at offset {offset}")
 
     def _commit(self, key: str, entry: dict) -> None:
-        """Point the index at the new version: write, fsync, rename over the old index, fsync the directory."""
+        """Point the index at the new version: write, fsync, rename over the old index (the commit), fsync the
+        directory. A failure before the rename removes the temporary file and changes nothing."""
         with self._lock:
             index = {**self.index, key: entry}
             temporary = self.directory / f".{INDEX}.tmp"
-            with open(temporary, "w") as f:
-                json.dump(index, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temporary, self.directory / INDEX)
+            try:
+                with open(temporary, "w") as f:
+                    json.dump(index, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(temporary, self.directory / INDEX)
+            except BaseException:
+                temporary.unlink(missing_ok=True)  # a full disk gets its blocks back
+                raise
+            self.index = index
             directory = os.open(self.directory, os.O_RDONLY)
             try:
                 os.fsync(directory)
             finally:
                 os.close(directory)
-            self.index = index
+
+    def _release(self, key: str, slot: int) -> None:
+        """After a failed write: remove its slot file, which the index does not point to (it held a version two
+        writes old at most), so that a full disk gets the space back."""
+        with self._lock:
+            if self.index.get(key, {}).get("slot") == slot:
+                return  # committed after all (the rename happened): the file is the key's current version
+        self._file(key, slot).unlink(missing_ok=True)
 
     # reads -----------------------------------------------------------------------------------
     def read(self, key: str, into: torch.Tensor) -> Future:
@@ -282,6 +352,10 @@ class Swapper:
                     result.set_result(into)
                 except SwapIOError as err:
                     result.set_exception(err)
+                except _ShortRead as err:
+                    result.set_exception(SwapIOError(
+                        f"short read of {key!r} from {path} ({err}): the file is shorter than the index says "
+                        "(truncated); the stored version is lost", path, key, err))
                 except OSError as err:
                     result.set_exception(self._error("read", path, key, err))
                 except BaseException as err:  # noqa: BLE001
@@ -302,7 +376,7 @@ class Swapper:
             target = memoryview(self._bounce_buffer())[:_padded(end - offset)] if partial else data[offset:end]
             got = os.preadv(fd, [target], offset)
             if got < end - offset:
-                raise OSError(errno.EIO, f"short read: {got} of {end - offset} bytes at offset {offset} (truncated?)")
+                raise _ShortRead(f"got {got} of {end - offset} bytes at offset {offset}")
             if partial:
                 data[offset:end] = target[:end - offset]
 
@@ -348,6 +422,8 @@ class Swapper:
                 errno.EFBIG: "the file size limit was reached (ulimit -f)",
                 errno.EACCES: "permission denied", errno.EROFS: "the filesystem is read-only",
                 errno.EIO: "an I/O error from the device"}.get(err.errno, err.strerror or str(err))
+        if err.errno == errno.EIO and err.strerror and err.strerror != os.strerror(errno.EIO):
+            hint = err.strerror  # our own EIO (a short write), which says what happened
         return SwapIOError(f"could not {action} {key!r} ({path}): {hint}; the previous version is intact",
                            path, key, err)
 

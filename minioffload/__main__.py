@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import os
 import re
 import sys
 
@@ -28,7 +30,7 @@ _SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 def parse_count(text: str) -> float:
     """'7B' -> 7e9, '124M' -> 1.24e8, '1.5e9' -> 1.5e9."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([kmbt]?)\s*", text.lower())
-    if not match or float(match[1]) <= 0:
+    if not match or not 0 < float(match[1]) * _SUFFIXES[match[2]] < 1e18:  # finite, and below a billion billion
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a positive parameter count; write e.g. 7B, 124M, 1.5e9")
     return float(match[1]) * _SUFFIXES[match[2]]
@@ -174,6 +176,8 @@ def train_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minioffload", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true",
+                        help="show the Python traceback when a command fails (or set MINIOFFLOAD_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True)
     fp = commands.add_parser("footprint", help="bytes per parameter and per tier, and whether it fits")
     fp.add_argument("--params", type=parse_count, default=7e9,
@@ -193,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     st = add_step_parser(commands)
     tr = add_train_parser(commands)
     args = parser.parse_args(argv)
+    debug = args.debug or os.environ.get("MINIOFFLOAD_DEBUG") == "1"
     if args.command == "footprint":
         from . import profiles
 
@@ -201,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.gpu_gb = profiles.preset(args.hardware).device_memory / memory.GB
             except ValueError as err:
                 fp.error(str(err))
-        if not args.gpu_gb > 0:
-            fp.error(f"--gpu-gb must be positive, got {args.gpu_gb}")
+        if not 0 < args.gpu_gb < math.inf:
+            fp.error(f"--gpu-gb must be a positive number of GB, got {args.gpu_gb}")
         if args.delay and args.placement != "optimizer_cpu":
             fp.error("--delay counts the delayed update's buffers, which exist with --placement optimizer_cpu only")
     if args.command == "hardware" and args.name is not None:
@@ -211,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.name not in profiles.PRESETS:
             hw.error(f"unknown hardware preset {args.name!r}; choose one of {', '.join(profiles.PRESETS)}")
     if args.command == "step":
-        from . import stepmodel
+        from . import options, stepmodel
 
         try:  # checked before anything is measured or printed
             args.work = stepmodel.Workload(int(args.params), args.tokens, args.precision, args.tensors,
@@ -219,22 +224,39 @@ def main(argv: list[str] | None = None) -> int:
             args.step_config = stepmodel.StepConfig(
                 offload=args.offload, subgroup_numel=args.subgroup_numel, delay=args.delay,
                 gpu_fraction=args.gpu_fraction, stride=args.stride, nvme=args.nvme, clip=args.clip, mfu=args.mfu)
-        except ValueError as err:
-            st.error(str(err))
+        except ValueError as err:  # name the flag, not the field
+            message = options.name_flags(str(err))
+            for field, flag in (("num_params", "--params"), ("num_tensors", "--tensors"), ("tokens", "--tokens"),
+                                ("mfu", "--mfu")):
+                message = re.sub(rf"^{field}\b", flag, message)
+            st.error(message)
     if args.command == "train":
         from . import options
-        from .train import TrainConfig
+        from .train import TrainConfig, preflight
 
         option_names = {f.name for f in dataclasses.fields(options.OffloadOptions)}
-        fields = {k: v for k, v in vars(args).items() if k not in ("command", "run", *option_names)}
+        fields = {k: v for k, v in vars(args).items() if k not in ("command", "run", "debug", *option_names)}
         try:
             args.config = TrainConfig(**fields, optimizer=options.from_flags(args))
+            # the device, the context length, the directories: refused before anything runs; the run then writes
+            # where the check looked
+            args.config.out_dir = str(preflight(args.config)[0])
         except ValueError as err:  # name the flag, not the field
             message = options.name_flags(str(err)).replace("TrainConfig.", "").replace("TrainConfig: ", "")
             for name in fields:
                 message = re.sub(rf"\b{name}\b(?!-)", options.flag(name), message)
             tr.error(message.replace("--offload=True", "--offload"))
-    return args.run(args)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print(f"python -m minioffload {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (OSError, ValueError, RuntimeError, MemoryError) as err:  # a failed run: one message, no traceback
+        if debug:
+            raise
+        print(f"python -m minioffload {args.command}: error: {err}\n(python -m minioffload --debug "
+              f"{args.command} ... shows the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

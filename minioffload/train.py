@@ -31,11 +31,13 @@ from pathlib import Path
 import torch
 
 from .device import device as make_device
+from .layout import STATE_BYTES_PER_PARAM
 from .memory import format_bytes
 from .models import GPT, CharTokenizer, GPTConfig, batches, load_text, train_val_split
 from .nvme import Swapper
 from .offload import OffloadAdam
 from .options import OffloadOptions
+from .paths import usable_directory
 from .trace import Span, union_length
 
 DEVICES = ("auto", "sim", "cuda")
@@ -170,16 +172,32 @@ def _val_loss(model: GPT, val_batches: list[tuple[torch.Tensor, torch.Tensor]]) 
         model.train(was_training)
 
 
-def train(config: TrainConfig) -> TrainResult:
-    """Train a GPT as `config` says; write trace.json, loss.csv and summary.json into its out_dir."""
-    out_dir = Path(config.out_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
-    out_dir.mkdir(parents=True, exist_ok=True)
+def preflight(config: TrainConfig) -> tuple[Path, CharTokenizer, torch.Tensor, torch.Tensor]:
+    """What a run needs, checked before any work starts (ValueError naming the setting and the fix): the
+    device, a context that fits the validation split, and directories it can write, with room for the NVMe
+    tier's files. Returns the out_dir (made), the tokenizer and the train and validation tokens."""
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("TrainConfig.device='cuda' needs a CUDA GPU and a CUDA build of torch (this torch sees "
+                         "none); use device='sim' to run on the CPU")
     text = load_text()
     tok = CharTokenizer(text)
     train_tokens, val_tokens = train_val_split(torch.tensor(tok.encode(text)))
     if config.block_size >= len(val_tokens):
         raise ValueError(f"TrainConfig.block_size={config.block_size} leaves no window in the {len(val_tokens)}"
                          f"-token validation split; use a block_size below {len(val_tokens)}")
+    out_dir = usable_directory(config.out_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"),
+                               "TrainConfig.out_dir")
+    if config.nvme_dir is not None:
+        with torch.device("meta"):  # sizes only: nothing allocated
+            params = GPT(GPTConfig.preset(config.model, tok.vocab_size, block_size=config.block_size)).num_params()
+        # two versions of 12 B/param (master, exp_avg, exp_avg_sq), as the swapper keeps them
+        usable_directory(config.nvme_dir, "TrainConfig.nvme_dir", need_bytes=2 * STATE_BYTES_PER_PARAM * params)
+    return out_dir, tok, train_tokens, val_tokens
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Train a GPT as `config` says; write trace.json, loss.csv and summary.json into its out_dir."""
+    out_dir, tok, train_tokens, val_tokens = preflight(config)
     torch.manual_seed(config.seed)
     model = GPT(GPTConfig.preset(config.model, tok.vocab_size, block_size=config.block_size))
     dev = make_device(config.device)
@@ -196,8 +214,7 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir) -> TrainRes
     params = list(model.parameters())
     swapper = None
     if config.nvme_dir is not None:
-        Path(config.nvme_dir).mkdir(parents=True, exist_ok=True)
-        swapper = Swapper(config.nvme_dir)
+        swapper = Swapper(config.nvme_dir)  # preflight made the directory
     if config.offload:
         opt = OffloadAdam(params, dev, lr=config.lr, options=config.optimizer, swapper=swapper)
     else:

@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 from common import interleaved, stats, write  # noqa: E402
 
 from minioffload import adam, hardware  # noqa: E402  (hardware._seven_streams: the roofline kernel)
@@ -195,4 +196,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.run(main))

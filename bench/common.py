@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -58,3 +60,30 @@ def write(name: str, rows: list[dict], headline: dict, config: dict) -> Path:
     path.write_text(json.dumps({"machine": machine(), "config": config, "rows": rows, "headline": headline},
                                indent=2) + "\n")
     return path
+
+
+def positive(kind: type) -> Callable[[str], float]:
+    """An argparse type: a finite number of `kind` above zero, or a message naming what was given."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"{text!r} must be a positive finite {kind.__name__}")
+        return value
+    return parse
+
+
+def run(main: Callable[[], int | None]) -> int:
+    """Run a benchmark's main: a failure is one message and exit status 1 (MINIOFFLOAD_DEBUG=1: the traceback)."""
+    try:
+        return main() or 0
+    except KeyboardInterrupt:
+        print(f"{Path(sys.argv[0]).name}: interrupted", file=sys.stderr)
+        return 130
+    except (OSError, ValueError, RuntimeError, MemoryError) as err:
+        if os.environ.get("MINIOFFLOAD_DEBUG") == "1":
+            raise
+        print(f"{Path(sys.argv[0]).name}: error: {err}\n(MINIOFFLOAD_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 1

@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 from common import interleaved, stats, write  # noqa: E402
 
 from minioffload import hardware  # noqa: E402
@@ -65,4 +66,4 @@ def size_label(n: int) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.run(main))

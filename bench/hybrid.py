@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 from common import interleaved, stats, write  # noqa: E402
 
 from minioffload import hardware, hybrid  # noqa: E402
@@ -65,8 +66,9 @@ def make_run(kind: str, link: Link, tensors: int, numel: int, split: dict):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and a smaller model (under a minute)")
-    parser.add_argument("--link-gbps", type=float, default=2.0, help="sim link bandwidth each way, GB/s")
-    parser.add_argument("--cpu-threads", type=int, default=1, help="threads of the CPU Adam (sim)")
+    parser.add_argument("--link-gbps", type=common.positive(float), default=2.0,
+                        help="sim link bandwidth each way, GB/s")
+    parser.add_argument("--cpu-threads", type=common.positive(int), default=1, help="threads of the CPU Adam (sim)")
     parser.add_argument("--device", choices=("auto", "sim", "cuda"), default="auto")
     args = parser.parse_args()
     kind = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "sim")
@@ -137,4 +139,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.run(main))

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 from common import interleaved, stats, write  # noqa: E402
 
 from minioffload import models  # noqa: E402
@@ -105,7 +106,8 @@ def make_run(kind: str, preset: str, optimizer: str, subgroup_numel: int, link: 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (under a minute)")
-    parser.add_argument("--link-gbps", type=float, default=2.0, help="sim link bandwidth each way, GB/s")
+    parser.add_argument("--link-gbps", type=common.positive(float), default=2.0,
+                        help="sim link bandwidth each way, GB/s")
     parser.add_argument("--device", choices=("auto", "sim", "cuda"), default="auto",
                         help="auto: cuda when a GPU is visible, else sim")
     args = parser.parse_args()
@@ -162,4 +164,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.run(main))

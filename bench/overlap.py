@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 from common import interleaved, stats, write  # noqa: E402
 
 from minioffload import pipeline  # noqa: E402
@@ -99,4 +100,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.run(main))

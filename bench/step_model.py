@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 from common import interleaved, stats, write  # noqa: E402
 
 from minioffload import models, profiles, stepmodel  # noqa: E402
@@ -149,7 +150,8 @@ def one_run(rounds: int) -> tuple[list[dict], dict, profiles.Hardware, stepmodel
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one run of 3 rounds (about a minute)")
-    parser.add_argument("--runs", type=int, default=3, help="independent runs; the headline is their median")
+    parser.add_argument("--runs", type=common.positive(int), default=3,
+                        help="independent runs; the headline is their median")
     args = parser.parse_args()
     rounds, count = (3, 1) if args.quick else (7, args.runs)
     runs = [one_run(rounds) for _ in range(count)]
@@ -182,4 +184,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.run(main))

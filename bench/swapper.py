@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 from common import stats, write  # noqa: E402
 
 from minioffload.adam import adam_fused  # noqa: E402
@@ -35,6 +36,7 @@ from minioffload.device import device  # noqa: E402
 from minioffload.nvme import Swapper  # noqa: E402
 from minioffload.nvme_tune import measure  # noqa: E402
 from minioffload.offload import OffloadAdam  # noqa: E402
+from minioffload.paths import usable_directory  # noqa: E402
 from minioffload.pinned import aligned_empty  # noqa: E402
 
 
@@ -113,11 +115,10 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smaller files, fewer rounds (under a minute)")
     parser.add_argument("--dir", default=str(Path(__file__).resolve().parent / ".swap"),
                         help="a directory on the disk to measure (default bench/.swap, created and emptied)")
-    parser.add_argument("--block-size", type=int, default=1 << 20)
-    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--block-size", type=common.positive(int), default=1 << 20)
+    parser.add_argument("--workers", type=common.positive(int), default=4)
     args = parser.parse_args()
-    directory = Path(args.dir)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = usable_directory(args.dir, "--dir")
     size = (256 << 20) if args.quick else (1 << 30)
     rounds = 2 if args.quick else 3
     data = aligned_empty(size, pin=False)
@@ -165,4 +166,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.run(main))

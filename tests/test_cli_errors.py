@@ -133,3 +133,28 @@ def test_the_nvme_directory_needs_room_for_the_files(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"TrainConfig.nvme_dir .* has 1000 B free and the run writes about"):
         train_module.preflight(train_module.TrainConfig(device="sim", out_dir=str(tmp_path / "o"),
                                                         nvme_dir=str(tmp_path / "n")))
+
+
+def test_benchmarks_refuse_bad_numbers_and_fail_in_one_message(capsys, monkeypatch):
+    import argparse
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import common
+
+    parse = common.positive(float)
+    assert parse("2.5") == 2.5
+    for text in ("0", "-1", "inf", "nan", "x", "1e400"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)
+
+    def broken():
+        raise OSError(5, "the drive went away")
+
+    assert common.run(broken) == 1
+    assert "error: [Errno 5] the drive went away" in capsys.readouterr().err
+    assert common.run(lambda: None) == 0
+    monkeypatch.setenv("MINIOFFLOAD_DEBUG", "1")
+    with pytest.raises(OSError):
+        common.run(broken)

@@ -86,7 +86,7 @@ def _entry_problem(entry) -> str | None:
         return f"slot is {slot!r}, not 0 or 1"
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         return f"nbytes is {nbytes!r}, not a size in bytes"
-    if dtype not in _DTYPES:
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
         return f"dtype is {dtype!r}, not one the swapper stores"
     if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
                                               for n in shape):

@@ -32,7 +32,7 @@ def test_parse_count(text, value):
     (["footprint", "--params", "seven"], "not a positive parameter count"),
     (["footprint", "--params", "0"], "not a positive parameter count"),
     (["footprint", "--precision", "fp8"], "invalid choice: 'fp8'"),
-    (["footprint", "--gpu-gb", "-1"], "--gpu-gb must be positive"),
+    (["footprint", "--gpu-gb", "-1"], "--gpu-gb must be a positive number of GB"),
 ])
 def test_bad_arguments_exit_2_with_a_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

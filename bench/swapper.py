@@ -119,6 +119,7 @@ def main() -> int:
     parser.add_argument("--workers", type=common.positive(int), default=4)
     args = parser.parse_args()
     directory = usable_directory(args.dir, "--dir")
+    directory.mkdir(parents=True, exist_ok=True)
     size = (256 << 20) if args.quick else (1 << 30)
     rounds = 2 if args.quick else 3
     data = aligned_empty(size, pin=False)

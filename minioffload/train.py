@@ -175,7 +175,7 @@ def _val_loss(model: GPT, val_batches: list[tuple[torch.Tensor, torch.Tensor]]) 
 def preflight(config: TrainConfig) -> tuple[Path, CharTokenizer, torch.Tensor, torch.Tensor]:
     """What a run needs, checked before any work starts (ValueError naming the setting and the fix): the
     device, a context that fits the validation split, and directories it can write, with room for the NVMe
-    tier's files. Returns the out_dir (made), the tokenizer and the train and validation tokens."""
+    tier's files. Changes nothing. Returns the out_dir (to make), the tokenizer and the train and validation tokens."""
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("TrainConfig.device='cuda' needs a CUDA GPU and a CUDA build of torch (this torch sees "
                          "none); use device='sim' to run on the CPU")
@@ -198,6 +198,7 @@ def preflight(config: TrainConfig) -> tuple[Path, CharTokenizer, torch.Tensor, t
 def train(config: TrainConfig) -> TrainResult:
     """Train a GPT as `config` says; write trace.json, loss.csv and summary.json into its out_dir."""
     out_dir, tok, train_tokens, val_tokens = preflight(config)
+    out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
     model = GPT(GPTConfig.preset(config.model, tok.vocab_size, block_size=config.block_size))
     dev = make_device(config.device)
@@ -214,7 +215,8 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir) -> TrainRes
     params = list(model.parameters())
     swapper = None
     if config.nvme_dir is not None:
-        swapper = Swapper(config.nvme_dir)  # preflight made the directory
+        Path(config.nvme_dir).mkdir(parents=True, exist_ok=True)  # preflight checked that it can be made
+        swapper = Swapper(config.nvme_dir)
     if config.offload:
         opt = OffloadAdam(params, dev, lr=config.lr, options=config.optimizer, swapper=swapper)
     else:

@@ -97,11 +97,13 @@ def test_bad_usage_is_exit_2_with_the_problem_and_the_fix(tmp_path, capsys, monk
         monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     file = tmp_path / "a_file"
     file.write_text("not a directory")
+    monkeypatch.chdir(tmp_path)  # where the default out_dir (runs/<time>) would go
     argv = [a.format(file=file) for a in argv]
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and says.format(file=file) in err and "Traceback" not in err, err
+    assert [p.name for p in tmp_path.iterdir()] == ["a_file"], "a refused command left something behind"
 
 
 def test_a_failed_run_is_exit_1_with_one_message_and_debug_shows_the_traceback(monkeypatch, capsys, tmp_path):

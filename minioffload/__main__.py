@@ -151,6 +151,9 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
                     help="the model's parameter dtype (optimizer state stays fp32)")
     tr.add_argument("--offload", action=argparse.BooleanOptionalAction, default=d.offload,
                     help="OffloadAdam with state in pinned host memory; --no-offload: torch AdamW on the device")
+    tr.add_argument("--activations", default=d.activations, metavar="POLICY",
+                    help="what each block keeps for backward: keep, recompute, selective, offload or offload_input; "
+                         "one for every block, or one per block separated by commas")
     tr.add_argument("--nvme-dir", default=d.nvme_dir, metavar="DIR",
                     help="keep the optimizer state in files in DIR (on an NVMe drive): chapter 6's tier")
     tr.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step")
@@ -242,10 +245,12 @@ def main(argv: list[str] | None = None) -> int:
             # where the check looked
             args.config.out_dir = str(preflight(args.config)[0])
         except ValueError as err:  # name the flag, not the field
-            message = options.name_flags(str(err)).replace("TrainConfig.", "").replace("TrainConfig: ", "")
-            for name in fields:
-                message = re.sub(rf"\b{name}\b(?!-)", options.flag(name), message)
-            tr.error(message.replace("--offload=True", "--offload"))
+            message = re.sub(r"TrainConfig\.(\w+)", lambda m: options.flag(m[1]), options.name_flags(str(err)))
+            listed = re.match(r"TrainConfig: ([\w, -]+): ", message)  # "TrainConfig: a, b: OffloadAdam's options"
+            if listed:
+                names = ", ".join(options.flag(n) if n in fields else n for n in listed[1].split(", "))
+                message = f"{names}: {message[listed.end():]}".replace("offload=True", "--offload")
+            tr.error(message)
     try:
         return args.run(args)
     except KeyboardInterrupt:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .activations import POLICIES, Activations
 from .device import device as make_device
 from .layout import STATE_BYTES_PER_PARAM
 from .memory import format_bytes
@@ -67,6 +68,7 @@ class TrainConfig:
     optimizer: OffloadOptions = field(default_factory=_train_defaults)  # OffloadAdam's options; the baseline
     #                                                                     uses only max_grad_norm
     nvme_dir: str | None = None  # keep the optimizer state in files here (the NVMe tier); None: in host memory
+    activations: str = "keep"  # a policy of activations.py for every block, or one per block, comma-separated
     grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0
     out_dir: str | None = None  # None: runs/<timestamp>
@@ -85,6 +87,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.seed must be an int, got {self.seed!r}")
         if not isinstance(self.lr, (int, float)) or not (0 < self.lr < math.inf):
             raise ValueError(f"TrainConfig.lr must be a positive finite number, got {self.lr!r}")
+        names = self.activations.split(",") if isinstance(self.activations, str) else [None]
+        if any(name not in POLICIES for name in names):
+            raise ValueError(f"TrainConfig.activations must be one of {', '.join(POLICIES)}, or one per block "
+                             f"separated by commas; got {self.activations!r}")
         if not isinstance(self.offload, bool):
             raise ValueError(f"TrainConfig.offload must be True or False, got {self.offload!r}")
         if not isinstance(self.optimizer, OffloadOptions):
@@ -172,6 +178,10 @@ def _val_loss(model: GPT, val_batches: list[tuple[torch.Tensor, torch.Tensor]]) 
         model.train(was_training)
 
 
+def config_layers(config: TrainConfig) -> int:
+    return GPTConfig.preset(config.model, 1, block_size=config.block_size).n_layer
+
+
 def preflight(config: TrainConfig) -> tuple[Path, CharTokenizer, torch.Tensor, torch.Tensor]:
     """What a run needs, checked before any work starts (ValueError naming the setting and the fix): the
     device, a context that fits the validation split, and directories it can write, with room for the NVMe
@@ -185,6 +195,10 @@ def preflight(config: TrainConfig) -> tuple[Path, CharTokenizer, torch.Tensor, t
     if config.block_size >= len(val_tokens):
         raise ValueError(f"TrainConfig.block_size={config.block_size} leaves no window in the {len(val_tokens)}"
                          f"-token validation split; use a block_size below {len(val_tokens)}")
+    names = config.activations.split(",")
+    if len(names) > 1 and len(names) != config_layers(config):
+        raise ValueError(f"TrainConfig.activations lists {len(names)} policies and the {config.model} model has "
+                         f"{config_layers(config)} blocks: give one per block, or one for all")
     out_dir = usable_directory(config.out_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"),
                                "TrainConfig.out_dir")
     if config.nvme_dir is not None:
@@ -212,6 +226,8 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir) -> TrainRes
     if config.precision == "bf16":
         model.to(torch.bfloat16)
     dev.place(model)
+    names = config.activations.split(",")
+    Activations(model.blocks, names[0] if len(names) == 1 else names, dev)  # "keep": nothing changes
     params = list(model.parameters())
     swapper = None
     if config.nvme_dir is not None:

@@ -30,7 +30,8 @@ def stubbed(monkeypatch):
 
 NUMBERS = st.sampled_from(["0", "-1", "1", "3", "0.5", "1.5", "1e400", "-1e400", "nan", "inf", "-inf", "1e-300",
                            "9" * 40, "", " ", "abc", "7B", "124M", "0x10", "none", "dynamic", "1,5", "2.", ".5"])
-WORDS = st.sampled_from(["sim", "cuda", "auto", "tpu", "tiny", "huge", "fp32", "bf16", "fp8", "h200", "probe", "x"])
+WORDS = st.sampled_from(["sim", "cuda", "auto", "tpu", "tiny", "huge", "fp32", "bf16", "fp8", "h200", "probe", "x",
+                        "offload", "keep,offload", "selective,,", "recompute,keep,offload_input"])
 FLAGS = {
     "footprint": ["--params", "--precision", "--optimizer", "--placement", "--gpu-gb", "--hardware"],
     "step": ["--params", "--tokens", "--hardware", "--precision", "--tensors", "--subgroup-numel", "--gpu-fraction",
@@ -38,7 +39,7 @@ FLAGS = {
     "train": ["--device", "--model", "--block-size", "--batch-size", "--steps", "--lr", "--precision",
               "--grad-accum", "--seed", "--eval-every", "--subgroup-numel", "--max-grad-norm", "--loss-scale",
               "--growth-interval", "--min-offload-numel", "--delay-updates-after", "--gpu-fraction", "--stride",
-              "--nvme-buffers"],
+              "--nvme-buffers", "--activations"],
     "hardware": [],
 }
 SWITCHES = {"footprint": ["--delay"], "step": ["--delay", "--nvme", "--clip", "--recompute", "--no-offload"],

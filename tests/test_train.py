@@ -130,3 +130,15 @@ def test_delayed_updates_and_kept_parameters_from_the_command_line(tmp_path, cap
     with pytest.raises(SystemExit):
         main(["train", "--no-offload", "--stride", "2"])
     assert "error: --stride: OffloadAdam's options, which need --offload\n" in capsys.readouterr().err
+
+
+def test_activation_policies_train_the_same_losses(tmp_path):
+    runs = {policy: train(TrainConfig(steps=3, activations=policy, out_dir=str(tmp_path / policy.replace(",", "_")),
+                                      **SHORT)).losses
+            for policy in ("keep", "offload", "recompute,offload_input")}
+    assert runs["offload"] == runs["keep"] == runs["recompute,offload_input"]
+    with pytest.raises(ValueError, match="TrainConfig.activations must be one of"):
+        TrainConfig(activations="fast")
+    with pytest.raises(ValueError, match="lists 3 policies and the tiny model has 2 blocks"):
+        train(TrainConfig(activations="keep,keep,keep", out_dir=str(tmp_path / "bad"), **SHORT))
+    assert not (tmp_path / "bad").exists()  # refused before anything was written

@@ -1,0 +1,198 @@
+"""What happens to a block's activations between its forward and its backward: one policy per block.
+
+    acts = Activations(model.blocks, "offload", dev)     # or a list, one policy per block
+    loss.backward()                                        # offloaded activations come back ahead of their block
+    acts.remove()                                          # the blocks as they were
+
+    keep           autograd keeps every saved tensor on the device (the default: fastest, most memory)
+    recompute      torch's non-reentrant checkpoint: only the block's input is kept; the forward runs again
+                   in backward (a forward's FLOPs more)
+    selective      only the attention core (softmax(q k^T) v, whose saved tensors grow with T^2) is recomputed
+                   (Korthikanti et al., 2022); needs a block whose `attn` has a `core(q, k, v)` (our GPT's)
+    offload        saved-tensor hooks: pack copies each saved tensor to pinned host memory on a copy stream
+                   (D2H) and lets the device copy go; in backward, the first unpack of block i brings block i's
+                   tensors back (H2D) and starts block i-1's, so the next block's copies run under this one's
+                   backward
+    offload_input  the block is recomputed in backward from its input, which alone leaves for the host
+
+Parameters are never offloaded (their storage is the model's), nor saved tensors under `min_numel` elements.
+Host memory comes from a bounded pinned arena (`pool_bytes`) or, without a bound, one pinned buffer per tensor.
+The same code runs on the simulated device and on CUDA: every order between the streams is an event.
+
+What this is not: the choice of policy per block (chapter 9's planner), nor activations on NVMe.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+POLICIES = ("keep", "recompute", "selective", "offload", "offload_input")
+
+
+@dataclass(eq=False)
+class _Packed:
+    """One offloaded saved tensor: its host copy and the events that order the copies."""
+
+    host: torch.Tensor
+    left: object  # event after the D2H copy
+    device: torch.Tensor | None = None  # the copy back, once fetched
+    arrived: object = None  # event after the H2D copy
+
+
+class _Arena:
+    """Pinned host memory for offloaded activations: `capacity` bytes, handed out in order and reused once every
+    block's tensors have come back (None: a pinned buffer per tensor, no bound)."""
+
+    def __init__(self, dev, capacity: int | None):
+        self.dev, self.capacity, self.used = dev, capacity, 0
+        self.buffer = None if capacity is None else dev.host_empty(capacity, torch.uint8)
+
+    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        if self.buffer is None:
+            return self.dev.host_empty(tuple(shape), dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        start = -(-self.used // 64) * 64  # 64-byte aligned for every dtype
+        if start + nbytes > self.capacity:
+            raise MemoryError(f"the pinned pool for offloaded activations holds {self.capacity:,} bytes and this "
+                              f"step's activations need more (at least {start + nbytes:,}): give Activations a "
+                              "larger pool_bytes, or offload fewer blocks")
+        self.used = start + nbytes
+        return self.buffer[start:start + nbytes].view(dtype).view(shape)
+
+
+class Activations:
+    """Apply `policy` (a name from POLICIES, or one per block) to `blocks` (modules called one after another, like
+    `model.blocks`). Refuses bad input before changing anything."""
+
+    def __init__(self, blocks: Sequence[torch.nn.Module], policy: str | Sequence[str], dev,
+                 pool_bytes: int | None = None, min_numel: int = 1024):
+        blocks = list(blocks)
+        policies = [policy] * len(blocks) if isinstance(policy, str) else list(policy)
+        unknown = sorted({name for name in policies if name not in POLICIES})
+        if unknown:
+            raise ValueError(f"unknown activation policy {', '.join(map(repr, unknown))}; choose from "
+                             f"{', '.join(POLICIES)}")
+        if len(policies) != len(blocks):
+            raise ValueError(f"{len(policies)} policies for {len(blocks)} blocks: give one per block, or one name")
+        for index, (block, name) in enumerate(zip(blocks, policies, strict=True)):
+            if name == "selective" and not callable(getattr(getattr(block, "attn", None), "core", None)):
+                raise ValueError(f"block {index} has no attn.core(q, k, v) to recompute alone (selective needs "
+                                 "the course's GPT blocks); use recompute for it")
+            if "forward" in vars(block):
+                raise ValueError(f"block {index} already has a policy applied: remove() the other Activations first")
+        if pool_bytes is not None and (isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int)
+                                       or pool_bytes < 1):
+            raise ValueError(f"pool_bytes must be a positive int (or None: a buffer per tensor), got {pool_bytes!r}")
+        self.dev, self.blocks, self.policies, self.min_numel = dev, blocks, policies, min_numel
+        offloads = any(name in ("offload", "offload_input") for name in policies)
+        self.d2h = dev.stream("activations d2h") if offloads else None
+        self.h2d = dev.stream("activations h2d") if offloads else None
+        self.arena = _Arena(dev, pool_bytes) if offloads else None
+        self._weights = {p.untyped_storage().data_ptr() for block in blocks for p in block.parameters()}
+        self._waiting: dict[int, list[_Packed]] = {}  # block -> its packed tensors not yet fetched
+        self._last_left = None  # event after the last D2H copy issued
+        self._patched: list[tuple[torch.nn.Module, str]] = []
+        for index, (block, name) in enumerate(zip(blocks, policies, strict=True)):
+            self._install(index, block, name)
+
+    def _install(self, index: int, block: torch.nn.Module, name: str) -> None:
+        forward = block.forward  # the class's bound method
+        if name == "keep":
+            return
+        if name == "recompute":
+            def run(*args, **kwargs):
+                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        elif name == "selective":
+            core = block.attn.core
+            block.attn.core = lambda q, k, v: checkpoint(core, q, k, v, use_reentrant=False)
+            self._patched.append((block.attn, "core"))
+            return
+        elif name == "offload":
+            def run(*args, **kwargs):
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(index, t),
+                                                               lambda packed: self._unpack(index, packed)):
+                    return forward(*args, **kwargs)
+        else:  # offload_input
+            def run(x):
+                if not torch.is_grad_enabled():
+                    return forward(x)
+                return _OffloadedInput.apply(self, index, forward, x)
+        block.forward = run
+        self._patched.append((block, "forward"))
+
+    def remove(self) -> None:
+        """Put every block back as it was."""
+        for module, attribute in self._patched:
+            delattr(module, attribute)
+        self._patched.clear()
+
+    # offload: pack in forward, fetch ahead in backward ------------------------------------------------------
+    def _pack(self, index: int, tensor: torch.Tensor, force: bool = False):
+        if not force and (tensor.numel() < self.min_numel or tensor.untyped_storage().data_ptr() in self._weights):
+            return tensor  # weights stay the model's; small tensors are not worth a copy
+        if not self._waiting:
+            self._reuse_arena()
+        source = (tensor if tensor.is_contiguous() else tensor.contiguous()).detach()  # bytes, not a graph node
+        self.dev.adopt(source, f"activation {index}")  # autograd made it on the device: counted until freed
+        host = self.arena.take(source.shape, source.dtype)
+        self.dev.stream_waits_for_compute(self.d2h)  # compute wrote it
+        self.dev.copy(host, source, self.d2h, name=f"d2h activation {index}")
+        self.dev.keep_alive(source, self.d2h)  # freed once the copy has read it
+        left = self.dev.event()
+        left.record(self.d2h)
+        self._last_left = left
+        packed = _Packed(host, left)
+        self._waiting.setdefault(index, []).append(packed)
+        return packed
+
+    def _unpack(self, index: int, packed):
+        if not isinstance(packed, _Packed):
+            return packed
+        if packed.device is None:
+            self._fetch(index)  # not prefetched (the last block's backward comes first): now
+        self._fetch(index - 1)  # the block whose backward comes next: under this one's
+        self.dev.compute_waits_for(packed.arrived)
+        return packed.device
+
+    def _fetch(self, index: int) -> None:
+        waiting = self._waiting.pop(index, [])
+        if waiting:
+            # after every D2H so far, not only these tensors': its own has landed in host memory, and the memory the
+            # others read may be handed out again (dev.empty below), which is safe only once they are done
+            self.h2d.wait(self._last_left)
+        for packed in waiting:
+            packed.device = self.dev.empty(tuple(packed.host.shape), packed.host.dtype, name=f"activation {index}")
+            self.dev.copy(packed.device, packed.host, self.h2d, name=f"h2d activation {index}")
+            packed.arrived = self.dev.event()
+            packed.arrived.record(self.h2d)
+
+    def _reuse_arena(self) -> None:
+        """Every block's tensors are back: the arena starts over (the H2D copies that read it came before the
+        compute that the next D2H copies wait for)."""
+        if self.arena is not None:
+            self.arena.used = 0
+
+
+class _OffloadedInput(torch.autograd.Function):
+    """A block run without keeping anything but its input, which goes to the host; in backward the input comes
+    back and the block runs again, with the CPU random state of its forward (dropout), to give its gradients."""
+
+    @staticmethod
+    def forward(ctx, acts: Activations, index: int, forward: Callable, x: torch.Tensor) -> torch.Tensor:
+        ctx.acts, ctx.index, ctx.forward, ctx.rng = acts, index, forward, torch.get_rng_state()
+        ctx.packed = acts._pack(index, x.detach(), force=True)
+        return forward(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x = ctx.acts._unpack(ctx.index, ctx.packed).detach().requires_grad_(True)
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            torch.set_rng_state(ctx.rng)
+            y = ctx.forward(x)
+        torch.autograd.backward(y, grad)
+        return None, None, None, x.grad

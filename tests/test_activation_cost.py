@@ -1,0 +1,52 @@
+"""The model of activation policies: its byte counts are chapter 1's formula, its times follow FLOPs and the link."""
+
+import pytest
+
+from minioffload import activation_cost as ac
+from minioffload import memory, profiles
+
+BLOCK = ac.BlockShape(seq_len=2048, batch_size=4, hidden=1024, heads=16)
+
+
+def test_bytes_held_follow_chapter_one():
+    costs = ac.policy_costs(BLOCK, profiles.preset("h100-sxm"))
+    assert costs["keep"].device_bytes == memory.activation_bytes_per_layer(2048, 4, 1024, 16)
+    assert costs["recompute"].device_bytes == memory.activation_bytes_per_layer(2048, 4, 1024, 16,
+                                                                                 checkpointing=True)
+    assert costs["selective"].device_bytes == memory.activation_bytes_per_layer(2048, 4, 1024, 16,
+                                                                                 flash_attention=True)
+    assert costs["offload"].device_bytes == 0 and costs["offload"].link_bytes == costs["keep"].device_bytes
+    fp32 = ac.BlockShape(2048, 4, 1024, 16, value_bytes=4)
+    assert fp32.saved_bytes() == 2 * BLOCK.saved_bytes()
+
+
+def test_times_follow_the_flops_and_the_link():
+    hw = profiles.preset("h100-sxm")
+    costs = ac.policy_costs(BLOCK, hw, mfu=0.5)
+    forward = BLOCK.forward_flops() / (0.5 * hw.peak_flops_bf16)
+    assert costs["recompute"].extra_s == pytest.approx(forward)
+    assert costs["keep"].extra_s == 0 and costs["selective"].extra_s < costs["recompute"].extra_s
+    fast = hw.replace(link_h2d=1e15, link_d2h=1e15, link_latency=1e-12)
+    assert ac.policy_costs(BLOCK, fast)["offload"].extra_s == 0  # hidden under compute
+    slow = hw.replace(link_h2d=1e9, link_d2h=1e9)
+    assert ac.policy_costs(BLOCK, slow)["offload"].extra_s > costs["recompute"].extra_s  # the link loses
+    above = ac.offload_hidden_link(BLOCK, hw)
+    at = hw.replace(link_h2d=1.01 * above, link_d2h=1.01 * above, link_latency=1e-12)
+    assert ac.policy_costs(BLOCK, at)["offload"].extra_s == 0
+
+
+def test_the_best_policy_is_the_fastest_that_fits():
+    hw = profiles.preset("gh200")
+    assert ac.best_policy(BLOCK, hw, device_budget=1e12).policy == "keep"
+    tight = ac.best_policy(BLOCK, hw, device_budget=0)
+    assert tight.device_bytes == 0 and tight.policy in ("offload", "offload_input")
+    assert ac.best_policy(BLOCK, hw, device_budget=-1) is None
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="must be divisible"):
+        ac.BlockShape(128, 1, 100, 3)
+    with pytest.raises(ValueError, match="value_bytes must be 2"):
+        ac.BlockShape(128, 1, 128, 4, value_bytes=3)
+    with pytest.raises(ValueError, match="mfu"):
+        ac.policy_costs(BLOCK, profiles.preset("h100-sxm"), mfu=0)

@@ -13,7 +13,19 @@ or invariants, so that reading a grader does not give the answer away.
 """
 
 # the lab modules register their graders in grading.GRADERS when imported
-from . import lab01, lab02, lab02_pool, lab03, lab04, lab04_clip, lab05, lab06, lab06_commit, lab06_pipeline  # noqa: F401
+from . import (  # noqa: F401
+    lab01,
+    lab02,
+    lab02_pool,
+    lab03,
+    lab04,
+    lab04_clip,
+    lab05,
+    lab06,
+    lab06_commit,
+    lab06_pipeline,
+    lab07,
+)
 from .grading import GRADERS, MAX_FRAMES, Verdict, expect, grade, grader, learner_traceback, sim_device, task
 
 __all__ = ["GRADERS", "MAX_FRAMES", "Verdict", "expect", "grade", "grader", "learner_traceback", "sim_device", "task"]

@@ -5,6 +5,8 @@ model), on a sim device whose link is fast enough that the model (activation_cos
 copies hide entirely under compute. Contenders, interleaved in one process: keep, recompute, selective,
 offload, offload_input. Per run: wall time, and the peak of what the device holds beyond the weights during
 the step (the ledger: saved tensors counted while autograd holds them, copies in flight, tensors fetched back).
+Not counted: what recompute and offload_input's forward, run again in backward, saves through checkpoint's own
+hooks (about one block more at the peak), so their reductions are upper bounds.
 
 Headline (bench/results/activations.json): each figure the median of 3 runs (median of 7 rounds each), with
 the runs' spread:

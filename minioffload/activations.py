@@ -139,7 +139,11 @@ class Activations:
             self._reuse_arena()
         source = (tensor if tensor.is_contiguous() else tensor.contiguous()).detach()  # bytes, not a graph node
         self.dev.adopt(source, f"activation {index}")  # autograd made it on the device: counted until freed
-        host = self.arena.take(source.shape, source.dtype)
+        try:
+            host = self.arena.take(source.shape, source.dtype)
+        except MemoryError:
+            self._waiting.clear()  # this forward's graph is lost with the error: the next one starts clean
+            raise
         self.dev.stream_waits_for_compute(self.d2h)  # compute wrote it
         self.dev.copy(host, source, self.d2h, name=f"d2h activation {index}")
         self.dev.keep_alive(source, self.d2h)  # freed once the copy has read it

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import threading
 import time
@@ -37,11 +36,12 @@ import numpy as np
 import torch
 import xxhash
 
+from .nvme_index import DTYPES as _DTYPES
+from .nvme_index import entry_problem, file_problem
+from .nvme_index import padded as _padded
 from .pinned import ALIGNMENT, aligned_empty
 
 INDEX = "index.json"
-_DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
-                                           torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
 _warned_buffered: set[str] = set()
 
 
@@ -68,34 +68,6 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 def checksum(tensor: torch.Tensor) -> str:
     return xxhash.xxh3_64_hexdigest(_bytes_of(tensor.reshape(-1)))
-
-
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // ALIGNMENT) * ALIGNMENT
-
-
-def _entry_problem(entry) -> str | None:
-    """What is wrong with one index entry ({"slot", "nbytes", "dtype", "shape", "checksum"}), or None."""
-    if not isinstance(entry, dict):
-        return f"its entry is a {type(entry).__name__}, not a table"
-    missing = [name for name in ("slot", "nbytes", "dtype", "shape", "checksum") if name not in entry]
-    if missing:
-        return f"its entry lacks {', '.join(missing)}"
-    slot, nbytes, dtype, shape = entry["slot"], entry["nbytes"], entry["dtype"], entry["shape"]
-    if slot not in (0, 1) or isinstance(slot, bool):
-        return f"slot is {slot!r}, not 0 or 1"
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-        return f"nbytes is {nbytes!r}, not a size in bytes"
-    if not isinstance(dtype, str) or dtype not in _DTYPES:
-        return f"dtype is {dtype!r}, not one the swapper stores"
-    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                                              for n in shape):
-        return f"shape is {shape!r}, not a list of sizes"
-    if math.prod(shape) * _DTYPES[dtype].itemsize != nbytes:
-        return f"shape {shape} of {dtype} is not {nbytes} bytes"
-    if not isinstance(entry["checksum"], str):
-        return f"checksum is {entry['checksum']!r}, not a string"
-    return None
 
 
 class Swapper:
@@ -161,24 +133,11 @@ class Swapper:
             raise SwapIOError(f"the swap index {path} holds a {type(index).__name__}, not a table of keys: it is "
                               "damaged; restore it, or point the swapper at an empty directory", path, "")
         for key, entry in index.items():
-            problem = _entry_problem(entry) or self._file_problem(key, entry)
+            problem = entry_problem(entry) or file_problem(self._file(key, entry["slot"]), entry)
             if problem:
                 raise SwapIOError(f"the swap index {path} is damaged at key {key!r}: {problem}; restore the index "
                                   "and its files, or point the swapper at an empty directory", path, key)
         return index
-
-    def _file_problem(self, key: str, entry: dict) -> str | None:
-        """What is wrong with the slot file an entry points to, or None."""
-        file = self._file(key, entry["slot"])
-        try:
-            size = file.stat().st_size
-        except FileNotFoundError:
-            return f"its file {file} is missing"
-        except OSError as err:
-            return f"its file {file} cannot be read ({err.strerror})"
-        if size < _padded(entry["nbytes"]):
-            return f"its file {file} is truncated: {size} bytes, the index says {_padded(entry['nbytes'])}"
-        return None
 
     # checks (before any I/O) -------------------------------------------------------------------
     def _check_buffer(self, tensor: torch.Tensor, what: str) -> None:

@@ -25,6 +25,7 @@ from . import (  # noqa: F401
     lab06_commit,
     lab06_pipeline,
     lab07,
+    lab07_hooks,
 )
 from .grading import GRADERS, MAX_FRAMES, Verdict, expect, grade, grader, learner_traceback, sim_device, task
 

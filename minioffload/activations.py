@@ -93,7 +93,8 @@ class Activations:
         self.d2h = dev.stream("activations d2h") if offloads else None
         self.h2d = dev.stream("activations h2d") if offloads else None
         self.arena = _Arena(dev, pool_bytes) if offloads else None
-        self._weights = {p.untyped_storage().data_ptr() for block in blocks for p in block.parameters()}
+        # weights by storage object, not address: a streamed weight (chapter 8) keeps its storage, not its address
+        self._weights = {p.untyped_storage()._cdata for block in blocks for p in block.parameters()}
         self._waiting: dict[int, list[_Packed]] = {}  # block -> its packed tensors not yet fetched
         self._last_left = None  # event after the last D2H copy issued
         self._patched: list[tuple[torch.nn.Module, str]] = []
@@ -133,7 +134,7 @@ class Activations:
 
     # offload: pack in forward, fetch ahead in backward ------------------------------------------------------
     def _pack(self, index: int, tensor: torch.Tensor, force: bool = False):
-        if not force and (tensor.numel() < self.min_numel or tensor.untyped_storage().data_ptr() in self._weights):
+        if not force and (tensor.numel() < self.min_numel or tensor.untyped_storage()._cdata in self._weights):
             return tensor  # weights stay the model's; small tensors are not worth a copy
         if not self._waiting:
             self._reuse_arena()

@@ -51,6 +51,7 @@ class DeviceMemory:
         self.ledger = Ledger({"device": capacity})
         self._names = itertools.count()
         self._held: dict[int, str] = {}  # storage address -> ledger key
+        self._finalizers: dict[str, weakref.finalize] = {}  # ledger key -> what frees it when its tensor dies
 
     def reserve(self, shape, dtype: torch.dtype, name: str) -> tuple[tuple[int, ...], str]:
         """Check an allocation and count it (OutOfMemoryError, nothing changed, if it does not fit).
@@ -66,12 +67,22 @@ class DeviceMemory:
     def track(self, tensor: torch.Tensor, key: str) -> torch.Tensor:
         address = tensor.untyped_storage().data_ptr()
         self._held[address] = key
-        weakref.finalize(tensor, self._release, address, key).atexit = False
+        finalizer = weakref.finalize(tensor, self._release, address, key)
+        finalizer.atexit = False
+        self._finalizers[key] = finalizer
         return tensor
 
     def _release(self, address: int, key: str) -> None:
         self._held.pop(address, None)
+        self._finalizers.pop(key, None)
         self.ledger.free(key)
+
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Stop counting `tensor` (its storage is about to be freed while the tensor lives on); not held: nothing."""
+        key = self._held.get(tensor.untyped_storage().data_ptr())
+        if key is not None:
+            self._finalizers[key].detach()
+            self._release(tensor.untyped_storage().data_ptr(), key)
 
     def adopt(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Count an existing tensor (once, however often it is adopted)."""

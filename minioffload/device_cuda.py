@@ -130,6 +130,33 @@ class CudaDevice:
         `stream` so far has run (it only tracks the stream the tensor was made on)."""
         tensor.record_stream(stream.stream)
 
+    def free_storage(self, tensor: torch.Tensor) -> None:
+        """Free a tensor's memory but keep the tensor (and every view of it, autograd's saved ones too): its
+        storage shrinks to nothing until `restore_storage`. The caching allocator hands the memory out again only
+        to work queued after this on torch's current stream. A host tensor becomes a CUDA tensor with no memory."""
+        if tensor.device.type != "cuda":
+            placeholder = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.torch_device)  # one tensor's
+            placeholder.untyped_storage().resize_(0)  # worth of memory, for a moment
+            tensor.data = placeholder
+            return
+        self.memory.forget(tensor)
+        tensor.untyped_storage().resize_(0)
+
+    def restore_storage(self, tensor: torch.Tensor, name: str = "tensor") -> None:
+        """Give a freed tensor its memory back (uninitialised: copy into it before computing with it), from torch's
+        current stream, counted in `ledger`."""
+        if tensor.untyped_storage().nbytes():
+            raise ValueError(f"{name} still has its memory: free_storage it first")
+        _, key = self.memory.reserve(tuple(tensor.shape), tensor.dtype, name)
+        try:
+            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+        except torch.OutOfMemoryError as err:
+            requested = self.ledger.allocations[key].nbytes
+            self.ledger.free(key)
+            free, total = torch.cuda.mem_get_info(self.torch_device)
+            raise OutOfMemoryError("device", key, requested, free, total, "") from err
+        self.memory.track(tensor, key)
+
     def timed(self, name: str, fn: Callable, lane: str = "compute"):
         """Run fn() on torch's current stream, timed by CUDA events (recorded into the trace at synchronize());
         returns its result."""

@@ -134,8 +134,13 @@ class SimDevice:
         NaN-filled with `strict`: a GPU's empty() is uninitialised, so code must write before it reads."""
         shape, key = self.memory.reserve(shape, dtype, name)
         if self.strict and dtype.is_floating_point:
-            return self.memory.track(torch.full(shape, float("nan"), dtype=dtype), key)
-        return self.memory.track(torch.zeros(shape, dtype=dtype), key)
+            return self._allocated(self.memory.track(torch.full(shape, float("nan"), dtype=dtype), key))
+        return self._allocated(self.memory.track(torch.zeros(shape, dtype=dtype), key))
+
+    def _allocated(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.hazards:
+            self.hazards.allocated(tensor)
+        return tensor
 
     def host_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.float32,
                    pinned: bool = True) -> torch.Tensor:
@@ -172,7 +177,28 @@ class SimDevice:
 
     def keep_alive(self, tensor: torch.Tensor, stream: SimStream) -> None:
         """Keep `tensor`'s memory from being reused until the work queued on `stream` so far has run. On the
-        sim the queued work holds a reference to it, which is enough."""
+        sim the queued work holds a reference to it, which is enough; the hazard checker learns that memory
+        allocated later at the same address is not that work's."""
+        if self.hazards:
+            self.hazards.kept_alive(tensor, stream)
+
+    def free_storage(self, tensor: torch.Tensor) -> None:
+        """Free a tensor's memory but keep the tensor (shape, dtype, and every view of it, autograd's saved ones
+        too): its storage shrinks to nothing until `restore_storage`. Work queued before may still have read it
+        on a GPU; here compute has already run."""
+        self.memory.forget(tensor)
+        tensor.untyped_storage().resize_(0)
+
+    def restore_storage(self, tensor: torch.Tensor, name: str = "tensor") -> None:
+        """Give a freed tensor its memory back, counted in `ledger` (OutOfMemoryError, nothing changed, if it does
+        not fit). Uninitialised, as on a GPU (NaN with `strict`): copy into it before computing with it."""
+        if tensor.untyped_storage().nbytes():
+            raise ValueError(f"{name} still has its memory: free_storage it first")
+        _, key = self.memory.reserve(tuple(tensor.shape), tensor.dtype, name)
+        tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+        if self.strict and tensor.dtype.is_floating_point:
+            tensor.data.fill_(float("nan"))
+        self._allocated(self.memory.track(tensor, key))
 
     def timed(self, name: str, fn: Callable, lane: str = "compute"):
         """Run fn() as compute (the host thread is the sim's compute stream), recorded as a span on `lane`;

@@ -51,6 +51,7 @@ class _Access:
     stamp: dict  # {agent: count}
     writes: bool
     what: str
+    kept: bool = False  # its memory is kept alive for its stream (record_stream): not handed out before it runs
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
@@ -108,6 +109,20 @@ class Checker:
             stream._clock = merge(getattr(stream, "_clock", {}), self.host)
 
     # accesses ---------------------------------------------------------------------------------
+    def kept_alive(self, tensor: torch.Tensor, stream) -> None:
+        """`tensor`'s memory is not handed out again before `stream`'s work so far has run (dev.keep_alive)."""
+        lo, hi = _span(tensor)
+        with self._lock:
+            for old in self._accesses:
+                if old.agent == stream._agent and old.lo < hi and lo < old.hi:
+                    old.kept = True
+
+    def allocated(self, tensor: torch.Tensor) -> None:
+        """New device memory: the work its old memory was kept alive for has run (else it would not be free)."""
+        lo, hi = _span(tensor)
+        with self._lock:
+            self._accesses = [a for a in self._accesses if not (a.kept and a.lo < hi and lo < a.hi)]
+
     def access(self, stream, clock: dict, reads: list[torch.Tensor], writes: list[torch.Tensor], op: str) -> None:
         """Check an op's reads and writes against earlier unordered ones; raise HazardError, or remember them."""
         stamp = {stream._agent: clock[stream._agent]}

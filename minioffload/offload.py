@@ -35,6 +35,10 @@ training to send the last update's weights.
 With `gpu_fraction` or `stride` (chapter 5, hybrid.py) some subgroups are updated on the device instead:
 their gradients stay there, their state either lives there (`gpu_fraction`) or is copied in and out
 around a device-side Adam (`stride`) while the CPU updates the other subgroups.
+
+With `streamer=` (a `ParamStreamer`, chapter 8) the blocks' weights live off the device between uses: their
+gradients leave as any other, and their new weights go to the streamer's home instead of up the link (an fp32
+model's home is the master itself). Delayed updates and hybrid splits need the weights on the device: refused.
 """
 
 from __future__ import annotations
@@ -62,22 +66,27 @@ class OffloadAdam(torch.optim.Optimizer):
     eps and weight_decay are torch's AdamW settings (per param group, as in torch). How the state is offloaded
     and updated is an `OffloadOptions` (options.py): pass one as `options=`, or its fields as keywords
     (`subgroup_numel=`, `max_grad_norm=`, `stride=`, ...). `swapper`: a `Swapper` (nvme.py) for the NVMe tier.
+    `streamer`: the `ParamStreamer` (streaming.py) of the model, when its weights are streamed.
     """
 
     def __init__(self, params, dev, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, *, options: OffloadOptions | None = None,
-                 swapper=None, **option_fields):
+                 swapper=None, streamer=None, **option_fields):
         options = (options or OffloadOptions()).replace(**option_fields)
         if swapper is not None:
             options.check_nvme()
+        if streamer is not None and (options.delayed or options.hybrid):
+            raise ValueError("streamed weights are updated on the CPU and sent home between steps: "
+                             "delay_updates_after, gpu_fraction and stride need them on the device; leave them off")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not trainable:
             raise ValueError("OffloadAdam got no parameter that requires a gradient; pass model.parameters()")
-        if not all(dev.is_device(p) for p in trainable):
+        streamed = {p for p in trainable if streamer is not None and streamer.streams(p)}
+        if not all(dev.is_device(p) for p in trainable if p not in streamed):
             raise ValueError("every parameter must be on the device before OffloadAdam takes it: call "
-                             "dev.place(model) first")
-        self.dev, self.options, self.swapper = dev, options, swapper
+                             "dev.place(model) first (or stream it: ParamStreamer)")
+        self.dev, self.options, self.swapper, self.streamer = dev, options, swapper, streamer
         self.d2h, self.h2d = dev.stream("offload d2h"), dev.stream("offload h2d")
         self.last_grad_norm: float | None = None  # before clipping, unscaled; None when clipping is off
         self.dynamic = options.loss_scale == "dynamic"
@@ -85,11 +94,13 @@ class OffloadAdam(torch.optim.Optimizer):
         self.clean_steps = self.skipped_steps = self.updates = 0  # updates: steps not skipped
         self._uploaded = None  # event after the last H2D: the next forward waits for it
         self.delayed = DelayedUpdate(options.delay_updates_after) if options.delayed else None
-        self.kept = list(dict.fromkeys(p for p in trainable if p.numel() < options.min_offload_numel))
+        self.kept = list(dict.fromkeys(p for p in trainable
+                                       if p.numel() < options.min_offload_numel and p not in streamed))
         self._device_opt, self._kept_groups = self._device_optimizer()
         self.subgroups, self._slots = layout.pack(self.param_groups, options.subgroup_numel, set(self.kept))
         self.device_path = self.nvme = None
         self._pack()
+        self._share_homes()
         for slot in self._slots.values():
             slot.param.register_post_accumulate_grad_hook(self._offload_grad)
 
@@ -135,6 +146,14 @@ class OffloadAdam(torch.optim.Optimizer):
             for sub in self._on_cpu():
                 self.nvme.store(sub, lambda views, sub=sub: self._initial_state(sub, views))
 
+    def _share_homes(self) -> None:
+        """An fp32 streamed weight needs no copy of its own at home: the master is it (Tiny-Pipe's point)."""
+        if self.streamer is None or self.nvme is not None:
+            return
+        for slot in self._slots.values():
+            if slot.param.dtype == torch.float32 and self.streamer.streams(slot.param):
+                self.streamer.share_home(slot.param, self._master(slot))
+
     def _host_buffers(self, numel: int, names) -> dict:
         """Pinned fp32 buffers; every one but the master starts at zero (moments, accumulated gradient)."""
         buffers = {name: self.dev.host_empty(numel) for name in names}
@@ -143,10 +162,10 @@ class OffloadAdam(torch.optim.Optimizer):
                 buffer.zero_()
         return buffers
 
-    @staticmethod
-    def _initial_state(sub: Subgroup, views: dict) -> None:
+    def _initial_state(self, sub: Subgroup, views: dict) -> None:
         for slot in sub.slots:
-            slot.view(views["master"]).copy_(slot.param.detach().reshape(-1).float().cpu())
+            weights = self.streamer.host_value(slot.param) if self._streamed(slot) else slot.param.detach()
+            slot.view(views["master"]).copy_(weights.reshape(-1).float().cpu())
         views["exp_avg"].zero_()
         views["exp_avg_sq"].zero_()
 
@@ -154,6 +173,9 @@ class OffloadAdam(torch.optim.Optimizer):
         """Pinned host memory for this parameter in the model's dtype: its gradient arrives here (and, without
         delayed updates, its 16-bit weights leave from here)."""
         return slot.shaped(slot.subgroup.staging["staging", slot.param.dtype])
+
+    def _streamed(self, slot: Slot) -> bool:
+        return self.streamer is not None and self.streamer.streams(slot.param)
 
     def _master(self, slot: Slot) -> torch.Tensor:
         return slot.shaped(slot.subgroup.buffers["master"])
@@ -230,6 +252,8 @@ class OffloadAdam(torch.optim.Optimizer):
         """CPU Adam over every subgroup; `send`: each subgroup's weights go up while the next one updates,
         else (delayed) they are rounded into the upload buffers for the next step() to send."""
         fresh_ids = {id(slot) for slot in fresh}
+        if self.streamer is not None:
+            self.streamer.quiesce()  # no copy up reads a home (an fp32 master) that Adam is about to write
         if not send and self._uploaded is not None:
             self._uploaded.synchronize()  # the previous weights must have left the upload buffers
         subgroups = self._on_cpu()
@@ -247,6 +271,8 @@ class OffloadAdam(torch.optim.Optimizer):
         if send:
             self._uploaded = self.dev.event()
             self._uploaded.record(self.h2d)
+        if self.streamer is not None:
+            self.streamer.updated()
         return fresh
 
     def _update_on_device(self, coef: float, fresh: list[Slot], hyper: dict) -> None:
@@ -344,8 +370,13 @@ class OffloadAdam(torch.optim.Optimizer):
     def _upload(self, slots: list[Slot]) -> None:
         if slots:
             self.dev.stream_waits_for_compute(self.h2d)  # never overwrite weights that queued compute still reads
+            if self.streamer is not None:
+                self.streamer.quiesce()  # no copy up is reading a home
         for slot in slots:
             master = self._master(slot)
+            if self._streamed(slot):  # its home takes the new weights; the next fetch brings them up
+                self.streamer.set_weights(slot.param, master)
+                continue
             if slot.param.dtype == torch.float32:
                 source = master
             else:

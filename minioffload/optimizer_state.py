@@ -93,6 +93,8 @@ def load(opt, state_dict: dict) -> None:
     for slot in slots:
         if slot.subgroup.where != Where.CPU:  # updated on the device: its weights are written directly
             slot.param.data.copy_(opt._master(slot))
+    if opt.streamer is not None:
+        opt.streamer.updated()  # streamed weights: written home
     opt._uploaded = opt.dev.event()
     opt._uploaded.record(opt.h2d)
     opt._next_forward_waits()

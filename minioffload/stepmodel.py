@@ -22,8 +22,17 @@ bytes over `host_bandwidth` (the "host memory" bound, which the chapter 5 paper 
 contending with the CPU update). Several steps are simulated and the last one is reported, so a delayed update
 that spills into the next step is counted as it would be in a long run.
 
+Streamed parameters (chapter 8, `params_on="host"` or `"nvme"`): the blocks' weights live off the device. Forward
+and backward run block by block (backward in reverse); each block's compute waits for its fetch (an H2D copy, after
+an NVMe read with the "nvme" home), and the fetch of the v-th block visited may not start before the (v - k - 1)-th
+has finished computing (k = `prefetch`: at most k + 1 blocks on the device). Weights outside the blocks stay
+resident and their FLOPs are counted at the LM head, between forward and backward. After the update nothing is
+uploaded: the CPU rounds the master into the host home (no pass for fp32: the master is the home) or writes the
+rounded weights to NVMe. `Prediction.exposed_fetch_s` is the fetch time not hidden under compute.
+
 What this is not: a simulator of kernels or of an allocator. It knows the runtime's configurations
-(on-device, optimizer offload, delayed update, hybrid split, NVMe tier) and the byte counts each moves; it
+(on-device, optimizer offload, delayed update, hybrid split, NVMe tier, streamed parameters) and the byte counts
+each moves; it
 ignores Python overheads, caches, and everything the profile does not name.
 """
 
@@ -45,6 +54,7 @@ ZERO_BYTES = 4  # grad.zero_() after the update
 DEVICE_PATH_BYTES = 8  # hybrid device path besides Adam: gather the gradients into fp32 (write 4) and read the
 #                       master to write the weights (read 4); plus the gradient read and the weight write, each in
 #                       the model's dtype
+PARAMS_ON = ("device", "host", "nvme")  # where the blocks' weights live (StepConfig.params_on)
 
 
 @dataclass(frozen=True)
@@ -57,14 +67,24 @@ class Workload:
     precision: str = "mixed_bf16"
     num_tensors: int = 1
     recompute: bool = False  # full activation checkpointing: one more forward during backward
+    num_layers: int = 1  # transformer blocks, of equal size: streamed parameters travel block by block
+    resident_params: int = 0  # parameters outside the blocks (embeddings, tied head, final norm): never streamed
 
     def __post_init__(self) -> None:
-        for name in ("num_params", "tokens", "num_tensors"):
+        for name in ("num_params", "tokens", "num_tensors", "num_layers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not value >= 1:
                 raise ValueError(f"{name} must be at least 1, got {value!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if isinstance(self.resident_params, bool) or not 0 <= self.resident_params < self.num_params:
+            raise ValueError(f"resident_params must be in [0, num_params) (the blocks hold the rest), got "
+                             f"{self.resident_params!r} of {self.num_params}")
+
+    @property
+    def block_params(self) -> float:
+        """Parameters of one block."""
+        return (self.num_params - self.resident_params) / self.num_layers
 
     @property
     def model_bytes(self) -> int:
@@ -73,11 +93,16 @@ class Workload:
 
     @classmethod
     def of(cls, model, tokens: int, precision: str | None = None, recompute: bool = False) -> Workload:
-        """The workload of a torch model: its trainable parameters and tensors, its dtype unless given."""
+        """The workload of a torch model: its trainable parameters and tensors, its dtype unless given; its blocks
+        from `model.blocks` when it has them (a course GPT), else one block of everything."""
         params = [p for p in model.parameters() if p.requires_grad]
         if precision is None:
             precision = "fp32" if params[0].dtype.itemsize == 4 else "mixed_bf16"
-        return cls(sum(p.numel() for p in params), tokens, precision, len(params), recompute)
+        num_params, blocks = sum(p.numel() for p in params), getattr(model, "blocks", None)
+        if not blocks:
+            return cls(num_params, tokens, precision, len(params), recompute)
+        in_blocks = sum(p.numel() for p in blocks.parameters() if p.requires_grad)
+        return cls(num_params, tokens, precision, len(params), recompute, len(blocks), num_params - in_blocks)
 
 
 @dataclass(frozen=True)
@@ -93,16 +118,33 @@ class StepConfig:
     nvme: bool = False
     clip: bool = False
     mfu: float = 0.4  # model FLOP/s utilisation of forward and backward
+    params_on: str = "device"  # the blocks' weights: resident ("device"), or streamed from "host" or "nvme"
+    prefetch: int = 1  # streamed: blocks fetched ahead of the one computing (0: on demand)
 
     def __post_init__(self) -> None:
         if not 0 < self.mfu <= 1:
             raise ValueError(f"mfu must be in (0, 1], got {self.mfu!r}")
+        if self.params_on not in PARAMS_ON:
+            raise ValueError(f"params_on must be one of {', '.join(map(repr, PARAMS_ON))}, got {self.params_on!r}")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0 (blocks fetched ahead; 0 fetches on demand), got "
+                             f"{self.prefetch!r}")
         options = self.options  # the engine's rules, with its messages (options.py)
         if not self.offload and (options.offload_only() or self.nvme):
             raise ValueError("delay, gpu_fraction/stride and nvme are options of the offloaded optimizer; "
                              "set offload=True or drop them")
+        if self.streamed and not self.offload:
+            raise ValueError(f"params_on={self.params_on!r} streams weights that the CPU optimizer updates; set "
+                             "offload=True or params_on='device'")
+        if self.streamed and (self.delay or self.gpu_fraction is not None or self.stride is not None):
+            raise ValueError(f"params_on={self.params_on!r} is modelled with the synchronous CPU update only; drop "
+                             "delay, gpu_fraction and stride, or set params_on='device'")
         if self.nvme:
             options.check_nvme()
+
+    @property
+    def streamed(self) -> bool:
+        return self.params_on != "device"
 
     @property
     def options(self) -> OffloadOptions:
@@ -112,10 +154,11 @@ class StepConfig:
                               stride=self.stride)
 
     @classmethod
-    def of(cls, options: OffloadOptions, offload: bool = True, nvme: bool = False, mfu: float = 0.4) -> StepConfig:
+    def of(cls, options: OffloadOptions, offload: bool = True, nvme: bool = False, mfu: float = 0.4,
+           params_on: str = "device", prefetch: int = 1) -> StepConfig:
         """The configuration of an engine built with `options` (its delayed update counted from the start)."""
         return cls(offload, options.subgroup_numel, options.delayed, options.gpu_fraction, options.stride, nvme,
-                   options.max_grad_norm is not None, mfu)
+                   options.max_grad_norm is not None, mfu, params_on, prefetch)
 
 
 def _resource(lane: str, hw: Hardware) -> str:
@@ -181,6 +224,39 @@ class _Builder:
                 copies.append(self.copy("d2h", params * mb, tensors, "d2h grad", [last], "d2h"))
         return last, copies
 
+    def streamed_forward_backward(self, after: int | None) -> tuple[int, list[int]]:
+        """Block by block: forward 0..L-1, the resident head, backward L-1..0; each block fetched before it runs
+        (within the window of prefetch + 1 blocks) and its gradient copied out after its backward."""
+        plan, work, hw, mb = self.plan, self.work, self.hw, self.work.model_bytes
+        layers, window = work.num_layers, self.config.prefetch + 1
+        block, head = work.block_params, work.resident_params
+        block_tensors = max(1, round(work.num_tensors * block / work.num_params))
+        head_tensors = max(1, work.num_tensors - layers * block_tensors)
+        visits = [*((False, i) for i in range(layers)), *((True, i) for i in reversed(range(layers)))]
+        computes, copies, last = [], [], after
+        for v, (backward, i) in enumerate(visits):
+            deps = [computes[v - window] if v >= window else None, None if backward else after]
+            if self.config.params_on == "nvme":  # NVMe into a pinned bounce buffer, then over the link
+                deps = [plan.add("nvme_read", f"read block {i}", block * mb / hw.nvme_read, deps, block * mb,
+                                 stream="param read", host_bytes=block * mb)]
+            fetch = self.copy("h2d", block * mb, block_tensors, f"fetch block {i}", deps, "param h2d")
+            if backward and i == layers - 1:  # the head: its forward and backward, with the weights it keeps
+                last = plan.add("compute", "forward head", self.forward_s * head / work.num_params, [last],
+                                stream="compute")
+                last = plan.add("compute", "backward head", self.backward_s * head / work.num_params
+                                + head_tensors * hw.copy_overhead * bool(head), [last], stream="compute")
+                if head:
+                    copies.append(self.copy("d2h", head * mb, head_tensors, "d2h grad", [last], "d2h"))
+            seconds = self.forward_s * block / work.num_params
+            if backward:  # the host issues each gradient copy from its hook
+                seconds = self.backward_s * block / work.num_params + block_tensors * hw.copy_overhead
+            last = plan.add("compute", f"{'backward' if backward else 'forward'} block {i}", seconds, [last, fetch],
+                            stream="compute")
+            computes.append(last)
+            if backward:
+                copies.append(self.copy("d2h", block * mb, block_tensors, "d2h grad", [last], "d2h"))
+        return last, copies
+
     def cpu_groups(self, groups) -> set[int]:
         resident, streamed = device_subgroups(len(groups), self.config.gpu_fraction, self.config.stride)
         return set(range(len(groups))) - set(resident) - set(streamed)
@@ -188,7 +264,7 @@ class _Builder:
     def step(self, after: int | None) -> int:
         """One step after `after` (the previous step's end); returns the op at which the next forward may start."""
         config, work, plan, hw, mb = self.config, self.work, self.plan, self.hw, self.work.model_bytes
-        backward, grad_copies = self.forward_backward(after)
+        backward, grad_copies = (self.streamed_forward_backward if config.streamed else self.forward_backward)(after)
         if not config.offload:
             return plan.add("compute", "device adam", work.num_params / hw.device_adam_rate, [backward],
                             stream="compute")
@@ -218,12 +294,17 @@ class _Builder:
                                 [last_cpu, reads.get(i)], stream=stream, host_bytes=params * ADAM_BYTES_PER_PARAM)
             rounding = (4 + mb) if mb != 4 else 0  # fp32 master -> 16-bit staging, for the upload
             last_cpu = self.host("round + zero grad", rounding + ZERO_BYTES, params, [last_cpu], stream,
-                                 issue=0 if config.delay else tensors)
+                                 issue=0 if config.delay or config.streamed else tensors)
             if config.nvme:
                 state = params * STATE_BYTES_PER_PARAM
                 writes.append(plan.add("nvme_write", "nvme write", state / hw.nvme_write, [last_cpu], state,
                                        stream="nvme_write", host_bytes=state))
-            if not config.delay:
+            if config.params_on == "nvme":  # the rounded weights go home to NVMe, not up the link
+                uploads.append(plan.add("nvme_write", "nvme write weights", params * mb / hw.nvme_write, [last_cpu],
+                                        params * mb, stream="param write", host_bytes=params * mb))
+            elif config.params_on == "host":
+                uploads.append(last_cpu)  # rounded into the host home: the next fetch reads it there
+            elif not config.delay:
                 uploads.append(self.copy("h2d", params * mb, tensors, "h2d weights", [last_cpu], "h2d"))
         if config.delay:
             self.job = last_cpu  # runs on beside the next forward and backward
@@ -277,6 +358,13 @@ class Prediction:
     bound: str
     host_memory_s: float = 0.0  # the step's host DRAM traffic over host_bandwidth: a floor on step_s
     # (when a floor sets step_s, bound is "host memory" and the trace shows the schedule it stretched)
+    fetch_s: float = 0.0  # streamed parameters: time some block's weights were on their way (NVMe read or H2D)
+    exposed_fetch_s: float = 0.0  # ... of which no compute ran at the same time
+
+    @property
+    def exposed_fetch_fraction(self) -> float:
+        """Exposed fetch time over fetch time (0 when nothing is fetched)."""
+        return self.exposed_fetch_s / self.fetch_s if self.fetch_s else 0.0
 
     def summary(self) -> str:
         busy = ", ".join(f"{lane} {seconds * 1e3:.1f}" for lane, seconds in self.busy.items())
@@ -324,6 +412,7 @@ def _prediction(trace: Trace, step_s: float, hw: Hardware) -> Prediction:
     lanes = sorted({s.lane for s in trace.spans}, key=lambda lane: (lane != "compute", lane))
     busy = {lane: trace.busy(lane) for lane in lanes}
     compute = [(s.start, s.end) for s in trace.spans if s.lane == "compute"]
+    fetches = [(s.start, s.end) for s in trace.spans if s.name.startswith(("fetch block", "read block"))]
     exposed = {}
     for lane in lanes:
         if lane != "compute":
@@ -333,7 +422,9 @@ def _prediction(trace: Trace, step_s: float, hw: Hardware) -> Prediction:
     for span in trace.spans:
         resources.setdefault(_resource(span.lane, hw), []).append((span.start, span.end))
     bound = max(resources, key=lambda r: union_length(resources[r])) if resources else "nothing"
-    return Prediction(step_s, trace, busy, exposed, bound)
+    fetch_s = union_length(fetches)
+    return Prediction(step_s, trace, busy, exposed, bound, fetch_s=fetch_s,
+                      exposed_fetch_s=fetch_s - _overlap(fetches, compute))
 
 
 def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:

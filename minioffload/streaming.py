@@ -260,7 +260,8 @@ class ParamStreamer:
         self.quiesce()
         for block in self.blocks:
             self._start(block, demand=True, evict=False, budget=False)
-            self._land(block)
+            if block.state == "reading":
+                self._land(block)
             self.dev.compute_waits_for(block.arrived)
             block.state = "resident"
 

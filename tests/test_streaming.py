@@ -1,0 +1,252 @@
+"""ParamStreamer (streaming.py): streamed training equals unstreamed training, within its budget, on the strict sim."""
+
+import pytest
+import torch
+from torch import nn
+
+from minioffload.activations import POLICIES, Activations
+from minioffload.device_sim import SimDevice
+from minioffload.models import GPT, GPTConfig
+from minioffload.nvme import Swapper
+from minioffload.offload import OffloadAdam
+from minioffload.streaming import ParamStreamer
+
+CFG = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=24, dropout=0.0)
+
+
+def _model(cfg=CFG, dtype=torch.float32):
+    torch.manual_seed(0)
+    return GPT(cfg).to(dtype)
+
+
+def _batches(steps, cfg=CFG, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(0, cfg.vocab_size, (2, cfg.block_size), generator=g) for _ in range(2))
+            for _ in range(steps)]
+
+
+def _train(dev, model, streamer=None, policy="keep", steps=3, swapper=None, opt=None, batches=None,
+           evaluate=False):
+    """Losses of `steps` OffloadAdam steps (an evaluation forward between steps with `evaluate`), and the optimizer."""
+    Activations(model.blocks, policy, dev)
+    opt = opt or OffloadAdam(model.parameters(), dev, lr=1e-2, subgroup_numel=3000, max_grad_norm=1.0,
+                             streamer=streamer, swapper=swapper)
+    losses = []
+    for x, y in batches or _batches(steps):
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if evaluate:
+            with torch.no_grad():
+                model(x, y)
+    dev.synchronize()
+    return losses, opt
+
+
+def _reference(dtype=torch.float32, steps=3, policy="keep"):
+    with SimDevice(jitter=0.0) as dev:
+        model = _model(dtype=dtype)
+        dev.place(model)
+        losses, opt = _train(dev, model, policy=policy, steps=steps)
+        return losses, [m.clone() for m in opt.master_weights()]
+
+
+def _same(run, reference):
+    losses, masters = run
+    return losses == reference[0] and all(torch.equal(a, b) for a, b in zip(masters, reference[1], strict=True))
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_streamed_training_equals_unstreamed(prefetch, policy):
+    reference = _reference(policy=policy)
+    with SimDevice(jitter=2e-4, seed=prefetch) as dev:
+        model = _model()
+        streamer = ParamStreamer(model, dev, prefetch=prefetch)
+        losses, opt = _train(dev, model, streamer, policy)
+        assert _same((losses, opt.master_weights()), reference)
+        assert streamer.peak_bytes <= streamer.budget_bytes
+        assert streamer.order is not None and len(streamer.order) == 2 * CFG.n_layer  # a forward and a backward
+
+
+def test_bf16_streamed_equals_unstreamed_and_keeps_one_rounded_copy():
+    reference = _reference(torch.bfloat16)
+    with SimDevice(jitter=2e-4, seed=3) as dev:
+        model = _model(dtype=torch.bfloat16)
+        streamer = ParamStreamer(model, dev, prefetch=2)
+        losses, opt = _train(dev, model, streamer)
+        assert _same((losses, opt.master_weights()), reference)
+        p = model.blocks[0].mlp.fc.weight
+        assert streamer.host_value(p).dtype == torch.bfloat16  # the rounded copy at home, apart from the master
+        assert torch.equal(streamer.host_value(p), opt._master(opt._slots[p]).bfloat16())
+
+
+def test_fp32_home_is_the_master_itself():
+    with SimDevice() as dev:
+        model = _model()
+        streamer = ParamStreamer(model, dev, prefetch=1)
+        opt = OffloadAdam(model.parameters(), dev, subgroup_numel=3000, streamer=streamer)
+        p = model.blocks[1].attn.qkv.weight
+        slot = opt._slots[p]
+        assert streamer.host_value(p).data_ptr() == opt._master(slot).data_ptr()
+
+
+def test_streamed_bytes_stay_within_budget_in_the_ledger():
+    with SimDevice(jitter=1e-4, seed=5) as dev:
+        model = _model()
+        streamer = ParamStreamer(model, dev, prefetch=1)
+        _train(dev, model, streamer, "recompute")
+        held, peak = 0, 0
+        for event in dev.ledger.history:
+            if event.name.startswith("streamed "):
+                held += event.delta
+                peak = max(peak, held)
+        block = streamer.blocks[0].nbytes
+        assert peak <= streamer.budget_bytes == 2 * block
+        assert peak == 2 * block  # prefetching did hold a second block
+
+
+def test_weights_four_times_the_device_train_from_nvme_like_a_large_device(tmp_path):
+    cfg = CFG.replace(n_layer=12, n_embd=48)
+    with SimDevice() as big:
+        model = _model(cfg)
+        big.place(model)
+        reference = _train(big, model, policy="recompute", batches=_batches(3, cfg))[0]
+    model = _model(cfg)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    capacity = weights // 4
+    (tmp_path / "w").mkdir()
+    (tmp_path / "s").mkdir()
+    with SimDevice(memory_bytes=capacity, jitter=1e-4, seed=7) as dev, \
+            Swapper(tmp_path / "w", direct=False) as home, Swapper(tmp_path / "s", direct=False) as state:
+        streamer = ParamStreamer(model, dev, prefetch=1, home="nvme", swapper=home)
+        losses, _ = _train(dev, model, streamer, "recompute", swapper=state, batches=_batches(3, cfg))
+        assert weights >= 4 * dev.ledger.capacity("device")
+        assert dev.ledger.peak("device") <= capacity
+        assert losses == reference
+
+
+def test_nvme_weights_resume_bit_for_bit(tmp_path):
+    batches = _batches(4)
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+    with SimDevice(jitter=1e-4, seed=1) as dev, Swapper(tmp_path / "a", direct=False) as home:
+        model = _model()
+        straight = _train(dev, model, ParamStreamer(model, dev, prefetch=2, home="nvme", swapper=home),
+                          batches=batches)[0]
+    with SimDevice(jitter=1e-4, seed=2) as dev, Swapper(tmp_path / "b", direct=False) as home:
+        model = _model()
+        first, opt = _train(dev, model, ParamStreamer(model, dev, prefetch=2, home="nvme", swapper=home),
+                            batches=batches[:2])
+        checkpoint = opt.state_dict()
+    with SimDevice(jitter=1e-4, seed=3) as dev, Swapper(tmp_path / "c", direct=False) as home:
+        model = _model(CFG)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # the resumed weights must come from the checkpoint, not the fresh model
+        streamer = ParamStreamer(model, dev, prefetch=2, home="nvme", swapper=home)
+        opt = OffloadAdam(model.parameters(), dev, lr=1e-2, subgroup_numel=3000, max_grad_norm=1.0,
+                          streamer=streamer)
+        opt.load_state_dict(checkpoint)
+        rest = _train(dev, model, streamer, opt=opt, batches=batches[2:])[0]
+    assert first + rest == straight
+
+
+def test_an_evaluation_pass_between_steps_records_the_order_again_and_changes_nothing():
+    reference = _reference()
+    with SimDevice(jitter=1e-4, seed=4) as dev:
+        model = _model()
+        streamer = ParamStreamer(model, dev, prefetch=2)
+        losses, opt = _train(dev, model, streamer, evaluate=True)
+        assert streamer.reorders >= 1
+        assert _same((losses, opt.master_weights()), reference)
+
+
+def test_a_missing_wait_is_caught_under_jitter(monkeypatch):
+    monkeypatch.setattr(ParamStreamer, "_compute_waits", lambda self, block: None)  # computes before the copy lands
+    reference = _reference(steps=2)
+    caught = 0
+    for seed in range(3):
+        with SimDevice(jitter=1e-3, seed=seed) as dev:
+            model = _model()
+            losses, _ = _train(dev, model, ParamStreamer(model, dev, prefetch=1), steps=2)
+            caught += losses != reference[0]
+    assert caught >= 2
+
+
+def test_shared_and_outer_weights_stay_resident():
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)])
+            self.blocks[2].weight = self.blocks[0].weight  # shared by two blocks
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    with SimDevice() as dev:
+        model = Shared()
+        expected = model(torch.ones(2, 8)).detach()
+        streamer = ParamStreamer(model, dev, prefetch=1)
+        shared = model.blocks[0].weight
+        assert any(p is shared for p in streamer.resident) and not streamer.streams(shared)
+        assert streamer.streams(model.blocks[1].weight) and not streamer.streams(model.head.weight)
+        assert dev.is_device(shared) and not dev.is_device(model.blocks[1].weight)
+        assert torch.equal(model(torch.ones(2, 8)), expected)
+        streamer.remove()
+        assert dev.is_device(model.blocks[1].weight) and torch.equal(model(torch.ones(2, 8)), expected)
+
+
+def _storages(model):
+    return [p.untyped_storage().nbytes() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"prefetch": -1}, "prefetch must be an int >= 0"),
+    ({"prefetch": 1, "budget_bytes": 1000}, "smaller than a block and its prefetch: blocks"),
+    ({"home": "disk"}, "home must be one of"),
+    ({"home": "nvme"}, "needs swapper="),
+])
+def test_bad_settings_are_refused_before_anything_moves(kwargs, words):
+    with SimDevice() as dev:
+        model = _model()
+        before = _storages(model)
+        with pytest.raises(ValueError, match=words):
+            ParamStreamer(model, dev, **kwargs)
+        assert _storages(model) == before and dev.ledger.used("device") == 0
+
+
+def test_the_budget_error_names_the_numbers():
+    with SimDevice() as dev:
+        model = _model()
+        block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
+        with pytest.raises(ValueError) as err:
+            ParamStreamer(model, dev, prefetch=2, budget_bytes=3 * block - 1)
+        assert f"{3 * block - 1:,}" in str(err.value) and f"{3 * block:,}" in str(err.value)
+        assert "prefetch=2" in str(err.value)
+
+
+def test_a_model_without_blocks_and_a_device_too_small_are_refused():
+    with SimDevice() as dev:
+        with pytest.raises(ValueError, match="cannot find the blocks of Linear"):
+            ParamStreamer(nn.Linear(4, 4), dev)
+    with SimDevice(memory_bytes=10_000) as dev:
+        model = _model()
+        before = _storages(model)
+        with pytest.raises(ValueError, match="the device has .* free"):
+            ParamStreamer(model, dev)
+        assert _storages(model) == before
+
+
+def test_streaming_refuses_delayed_and_hybrid_updates():
+    with SimDevice() as dev:
+        model = _model()
+        streamer = ParamStreamer(model, dev)
+        for option in ({"delay_updates_after": 1}, {"gpu_fraction": 0.5}):
+            with pytest.raises(ValueError, match="streamed weights are updated on the CPU"):
+                OffloadAdam(model.parameters(), dev, streamer=streamer, **option)

@@ -23,6 +23,7 @@ import re
 import sys
 
 from . import memory
+from .units import parse_bytes
 
 _SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
@@ -34,6 +35,14 @@ def parse_count(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a positive parameter count; write e.g. 7B, 124M, 1.5e9")
     return float(match[1]) * _SUFFIXES[match[2]]
+
+
+def _bytes(text: str) -> int:
+    """argparse's type for a size in bytes (units.parse_bytes)."""
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def footprint_command(args: argparse.Namespace) -> int:
@@ -136,7 +145,7 @@ def add_step_parser(commands) -> argparse.ArgumentParser:
 def add_train_parser(commands) -> argparse.ArgumentParser:
     from . import options
     from .models import GPTConfig
-    from .train import DEVICES, PRECISIONS, TrainConfig
+    from .train import DEVICES, PARAMS_ON, PRECISIONS, TrainConfig
 
     d = TrainConfig()
     tr = commands.add_parser("train", help="train a small GPT with offloaded AdamW and print the step-time split",
@@ -154,6 +163,12 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
     tr.add_argument("--activations", default=d.activations, metavar="POLICY",
                     help="what each block keeps for backward: keep, recompute, selective, offload or offload_input; "
                          "one for every block, or one per block separated by commas")
+    tr.add_argument("--params-on", choices=PARAMS_ON, default=d.params_on,
+                    help="where the blocks' weights live: on the device, or streamed block by block from pinned host "
+                         "memory or from NVMe (DIR/weights of --nvme-dir): chapter 8")
+    tr.add_argument("--prefetch", type=int, default=d.prefetch, help="streamed weights: blocks fetched ahead")
+    tr.add_argument("--device-memory", type=_bytes, default=d.device_memory, metavar="SIZE",
+                    help="the sim device's memory, e.g. 64MB or 1GiB (default 4 GiB)")
     tr.add_argument("--nvme-dir", default=d.nvme_dir, metavar="DIR",
                     help="keep the optimizer state in files in DIR (on an NVMe drive): chapter 6's tier")
     tr.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step")

@@ -61,8 +61,9 @@ class SimDevice:
     params/s a device-side Adam updates (chapter 5's hybrid update launches it with that modelled duration)."""
 
     kind = "sim"
+    DEFAULT_MEMORY = 4 * GiB
 
-    def __init__(self, memory_bytes: int = 4 * GiB, h2d: Link = SLOW_LINK, d2h: Link = SLOW_LINK,
+    def __init__(self, memory_bytes: int = DEFAULT_MEMORY, h2d: Link = SLOW_LINK, d2h: Link = SLOW_LINK,
                  pageable_slowdown: float = 2.0, jitter: float = 0.0, seed: int | None = None,
                  trace: Trace | None = None, switch_interval: float = 1e-4, adam_rate: float = 1e9,
                  strict: bool | None = None):

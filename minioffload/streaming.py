@@ -69,6 +69,70 @@ class _Block:
     bounce: torch.Tensor | None = None
 
 
+def _split(model: nn.Module, modules: list[nn.Module]) -> tuple[list[_Block], list[nn.Parameter]]:
+    """Each block's own parameters, and those that stay on the device (outside every block, or shared)."""
+    block_of: dict[int, set[int]] = {}
+    for index, module in enumerate(modules):
+        for sub in module.modules():
+            block_of.setdefault(id(sub), set()).add(index)
+    owners: dict[nn.Parameter, set[int]] = {}
+    names: dict[nn.Parameter, str] = {}
+    seen: set[int] = set()
+    for prefix, root in [("", model), *((f"blocks.{i}.", m) for i, m in enumerate(modules))]:
+        for module_name, sub in root.named_modules(prefix=prefix.rstrip(".")):
+            if id(sub) in seen:
+                continue
+            seen.add(id(sub))
+            for name, p in sub._parameters.items():
+                if p is not None:
+                    owners.setdefault(p, set()).update(block_of.get(id(sub), {-1}))
+                    names.setdefault(p, f"{module_name}.{name}" if module_name else name)
+    for p in owners:
+        if p.numel() and not p.is_meta and not p.untyped_storage().nbytes():
+            raise ValueError(f"parameter {names[p]} has no memory: it is streamed already (remove() the other "
+                             "ParamStreamer first)")
+    blocks = []
+    for index in range(len(modules)):
+        params = [p for p, where in owners.items() if where == {index}]
+        blocks.append(_Block(index, params, [names[p] for p in params],
+                             sum(p.numel() * p.element_size() for p in params)))
+    resident = [p for p, where in owners.items() if len(where) > 1 or where == {-1}]
+    return blocks, resident
+
+
+def plan(model: nn.Module, prefetch: int, budget_bytes: int | None, device_free: int | None,
+         blocks: Sequence[nn.Module] | None = None, placed=lambda p: False):
+    """What streaming `model` needs, checked (ValueError naming the numbers; nothing changes): its blocks, the
+    parameters that stay on the device, the budget (default: the largest window of a block and its `prefetch`
+    next ones) and that window. `device_free`: the device's free bytes (None: unbounded); `placed(p)`: is p on
+    the device already. Works on a model built on the meta device (sizes only)."""
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0 (blocks fetched ahead; 0 fetches on demand), got {prefetch!r}")
+    modules = list(blocks) if blocks is not None else find_blocks(model)
+    if not modules:
+        raise ValueError("blocks is empty: name at least one module to stream")
+    streamed, resident = _split(model, modules)
+    sizes = [block.nbytes for block in streamed]
+    windows = [sum(sizes[i:i + prefetch + 1]) for i in range(len(sizes))]
+    first = max(range(len(sizes)), key=windows.__getitem__)
+    window = windows[first]
+    if budget_bytes is None:
+        budget_bytes = window
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
+        raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+    if budget_bytes < window:
+        last = min(first + prefetch, len(sizes) - 1)
+        raise ValueError(f"budget_bytes={budget_bytes:,} ({format_bytes(budget_bytes)}) is smaller than a block and "
+                         f"its prefetch: blocks {first}..{last} need {window:,} bytes ({format_bytes(window)}) at "
+                         f"prefetch={prefetch}. Raise budget_bytes to at least {window:,}, or lower prefetch")
+    stays = sum(p.numel() * p.element_size() for p in resident if not placed(p))
+    if device_free is not None and stays + budget_bytes > device_free:
+        raise ValueError(f"the device has {format_bytes(device_free)} free; the parameters that stay there need "
+                         f"{format_bytes(stays)} and the streamed window {format_bytes(budget_bytes)}: lower "
+                         "budget_bytes or prefetch, or use a device with more memory")
+    return streamed, resident, budget_bytes, window
+
+
 class _Mark(torch.autograd.Function):
     """Identity in the forward; calls `callback` when the gradient of its outputs arrives in the backward."""
 
@@ -91,37 +155,16 @@ class ParamStreamer:
 
     def __init__(self, model: nn.Module, dev, *, prefetch: int = 1, budget_bytes: int | None = None,
                  home: str = "host", swapper=None, blocks: Sequence[nn.Module] | None = None):
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch must be an int >= 0 (blocks fetched ahead; 0 fetches on demand), "
-                             f"got {prefetch!r}")
         if home not in HOMES:
             raise ValueError(f"home must be one of {', '.join(map(repr, HOMES))}, got {home!r}")
         if (home == "nvme") != (swapper is not None):
             raise ValueError("home='nvme' needs swapper=Swapper(directory), and only it takes one")
         modules = list(blocks) if blocks is not None else find_blocks(model)
-        if not modules:
-            raise ValueError("blocks is empty: name at least one module to stream")
+        self.blocks, self.resident, self.budget_bytes, self.window_bytes = plan(
+            model, prefetch, budget_bytes, dev.ledger.free_bytes("device"), modules,
+            placed=lambda p: dev.is_device(p))
         self.dev, self.prefetch, self.home_kind, self.swapper = dev, prefetch, home, swapper
-        self.blocks, self.resident = self._split(model, modules)
-        self.window_bytes, first = self._largest_window()
-        if budget_bytes is None:
-            budget_bytes = self.window_bytes
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
-            raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
-        if budget_bytes < self.window_bytes:
-            last = min(first + prefetch, len(self.blocks) - 1)
-            raise ValueError(f"budget_bytes={budget_bytes:,} ({format_bytes(budget_bytes)}) is smaller than a block "
-                             f"and its prefetch: blocks {first}..{last} need {self.window_bytes:,} bytes "
-                             f"({format_bytes(self.window_bytes)}) at prefetch={prefetch}. Raise budget_bytes to "
-                             f"at least {self.window_bytes:,}, or lower prefetch")
-        self.budget_bytes = budget_bytes
         to_place = [p for p in self.resident if not dev.is_device(p)]
-        need = sum(p.numel() * p.element_size() for p in to_place) + budget_bytes
-        free = dev.ledger.free_bytes("device")
-        if free is not None and need > free:
-            raise ValueError(f"the device has {format_bytes(free)} free; the parameters that stay there need "
-                             f"{format_bytes(need - budget_bytes)} and the streamed window {format_bytes(budget_bytes)}"
-                             ": lower budget_bytes or prefetch, or use a device with more memory")
         # everything is checked: now the weights move
         self.h2d = dev.stream("stream weights h2d")
         self.device_bytes = self.peak_bytes = 0  # streamed weights on the device (counting reads in flight)
@@ -137,44 +180,7 @@ class ParamStreamer:
         self._hooks = [hook for block, module in zip(self.blocks, modules, strict=True)
                        for hook in self._register(block, module)]
 
-    # which parameters stream ------------------------------------------------------------------
-    @staticmethod
-    def _split(model: nn.Module, modules: list[nn.Module]) -> tuple[list[_Block], list[nn.Parameter]]:
-        block_of: dict[int, set[int]] = {}
-        for index, module in enumerate(modules):
-            for sub in module.modules():
-                block_of.setdefault(id(sub), set()).add(index)
-        owners: dict[nn.Parameter, set[int]] = {}
-        names: dict[nn.Parameter, str] = {}
-        seen: set[int] = set()
-        for prefix, root in [("", model), *((f"blocks.{i}.", m) for i, m in enumerate(modules))]:
-            for module_name, sub in root.named_modules(prefix=prefix.rstrip(".")):
-                if id(sub) in seen:
-                    continue
-                seen.add(id(sub))
-                for name, p in sub._parameters.items():
-                    if p is not None:
-                        owners.setdefault(p, set()).update(block_of.get(id(sub), {-1}))
-                        names.setdefault(p, f"{module_name}.{name}" if module_name else name)
-        for p in owners:
-            if p.numel() and not p.untyped_storage().nbytes():
-                raise ValueError(f"parameter {names[p]} has no memory: it is streamed already (remove() the other "
-                                 "ParamStreamer first)")
-        blocks = []
-        for index in range(len(modules)):
-            params = [p for p, where in owners.items() if where == {index}]
-            blocks.append(_Block(index, params, [names[p] for p in params],
-                                 sum(p.numel() * p.element_size() for p in params)))
-        resident = [p for p, where in owners.items() if len(where) > 1 or where == {-1}]
-        return blocks, resident
-
-    def _largest_window(self) -> tuple[int, int]:
-        """The most bytes a block and the next `prefetch` blocks hold, and where that window starts."""
-        sizes = [block.nbytes for block in self.blocks]
-        windows = [sum(sizes[i:i + self.prefetch + 1]) for i in range(len(sizes))]
-        first = max(range(len(sizes)), key=windows.__getitem__)
-        return windows[first], first
-
+    # homes ------------------------------------------------------------------------------------
     def _fill_homes(self) -> None:
         """Copy each streamed weight to its home, then free it on the device (a host tensor gets no memory)."""
         for block in self.blocks:

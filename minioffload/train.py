@@ -14,6 +14,10 @@ warm up) is left out of the means when there is more than one.
 
 Writes out_dir/trace.json (Perfetto), loss.csv and summary.json.
 
+With `params_on="host"` or `"nvme"` the blocks' weights are streamed (chapter 8, streaming.py): they live in
+pinned host memory or in nvme_dir/weights and come up block by block, `prefetch` blocks ahead, so a model several
+times the (sim) device's `device_memory` trains.
+
 What this is not: a tuned trainer (no LR schedule, no checkpoints, no mixed-precision autocast: "bf16"
 casts the model's parameters, and OffloadAdam keeps fp32 masters on the host).
 """
@@ -32,6 +36,7 @@ import torch
 
 from .activations import POLICIES, Activations
 from .device import device as make_device
+from .device_sim import SimDevice
 from .layout import STATE_BYTES_PER_PARAM
 from .memory import format_bytes
 from .models import GPT, CharTokenizer, GPTConfig, batches, load_text, train_val_split
@@ -39,10 +44,12 @@ from .nvme import Swapper
 from .offload import OffloadAdam
 from .options import OffloadOptions
 from .paths import usable_directory
+from .streaming import ParamStreamer, plan
 from .trace import Span, union_length
 
 DEVICES = ("auto", "sim", "cuda")
 PRECISIONS = ("fp32", "bf16")
+PARAMS_ON = ("device", "host", "nvme")
 EVAL_BATCHES = 8  # validation batches per evaluation (the same ones every time)
 SAMPLE_CHARS = 200
 PHASES = ("forward", "backward", "exposed_d2h", "cpu_update", "exposed_h2d", "device_update")
@@ -69,6 +76,9 @@ class TrainConfig:
     #                                                                     uses only max_grad_norm
     nvme_dir: str | None = None  # keep the optimizer state in files here (the NVMe tier); None: in host memory
     activations: str = "keep"  # a policy of activations.py for every block, or one per block, comma-separated
+    params_on: str = "device"  # where the blocks' weights live: "device", or streamed from "host" or "nvme"
+    prefetch: int = 1  # streamed: blocks fetched ahead of the one computing
+    device_memory: int | None = None  # the sim device's memory in bytes (None: its default, 4 GiB)
     grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0
     out_dir: str | None = None  # None: runs/<timestamp>
@@ -79,6 +89,13 @@ class TrainConfig:
         _choice("device", self.device, DEVICES)
         _choice("model", self.model, tuple(GPTConfig.preset_names()))
         _choice("precision", self.precision, PRECISIONS)
+        _choice("params_on", self.params_on, PARAMS_ON)
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"TrainConfig.prefetch must be an int >= 0, got {self.prefetch!r}")
+        if self.device_memory is not None and (isinstance(self.device_memory, bool)
+                                               or not isinstance(self.device_memory, int) or self.device_memory < 1):
+            raise ValueError("TrainConfig.device_memory must be a positive number of bytes, got "
+                             f"{self.device_memory!r}")
         for name in ("block_size", "batch_size", "steps", "grad_accum", "eval_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -98,7 +115,14 @@ class TrainConfig:
                              f"{type(self.optimizer).__name__}")
         if self.nvme_dir is not None:
             self.optimizer.check_nvme()
-        needs_offload = self.optimizer.offload_only() + (["nvme_dir"] if self.nvme_dir is not None else [])
+        if self.params_on == "nvme" and self.nvme_dir is None:
+            raise ValueError("TrainConfig.params_on='nvme' keeps the weights in nvme_dir/weights: give "
+                             "TrainConfig.nvme_dir")
+        if self.params_on != "device" and (self.optimizer.delayed or self.optimizer.hybrid):
+            raise ValueError(f"TrainConfig.params_on={self.params_on!r} updates the streamed weights on the CPU: "
+                             "delay_updates_after, gpu_fraction and stride need them on the device")
+        needs_offload = (self.optimizer.offload_only() + (["nvme_dir"] if self.nvme_dir is not None else [])
+                         + (["params_on"] if self.params_on != "device" else []))
         if needs_offload and not self.offload:
             raise ValueError(f"TrainConfig: {', '.join(needs_offload)}: OffloadAdam's options, which need "
                              "offload=True")
@@ -201,11 +225,19 @@ def preflight(config: TrainConfig) -> tuple[Path, CharTokenizer, torch.Tensor, t
                          f"{config_layers(config)} blocks: give one per block, or one for all")
     out_dir = usable_directory(config.out_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"),
                                "TrainConfig.out_dir")
+    with torch.device("meta"):  # sizes only: nothing allocated
+        shape = GPT(GPTConfig.preset(config.model, tok.vocab_size, block_size=config.block_size))
+    on_sim = config.device == "sim" or (config.device == "auto" and not torch.cuda.is_available())
+    if config.params_on != "device" and on_sim:  # the sim's memory is known before it exists
+        if config.precision == "bf16":
+            shape.to(torch.bfloat16)
+        plan(shape, config.prefetch, None, config.device_memory or SimDevice.DEFAULT_MEMORY)
     if config.nvme_dir is not None:
-        with torch.device("meta"):  # sizes only: nothing allocated
-            params = GPT(GPTConfig.preset(config.model, tok.vocab_size, block_size=config.block_size)).num_params()
-        # two versions of 12 B/param (master, exp_avg, exp_avg_sq), as the swapper keeps them
-        usable_directory(config.nvme_dir, "TrainConfig.nvme_dir", need_bytes=2 * STATE_BYTES_PER_PARAM * params)
+        params = shape.num_params()
+        # two versions of 12 B/param (master, exp_avg, exp_avg_sq), as the swapper keeps them, and of the weights
+        weights = (2 if config.precision == "bf16" else 4) * params if config.params_on == "nvme" else 0
+        usable_directory(config.nvme_dir, "TrainConfig.nvme_dir",
+                         need_bytes=2 * (STATE_BYTES_PER_PARAM * params + weights))
     return out_dir, tok, train_tokens, val_tokens
 
 
@@ -215,7 +247,8 @@ def train(config: TrainConfig) -> TrainResult:
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
     model = GPT(GPTConfig.preset(config.model, tok.vocab_size, block_size=config.block_size))
-    dev = make_device(config.device)
+    dev = make_device(config.device, **({} if config.device_memory is None else
+                                         {"memory_bytes": config.device_memory}))
     try:
         return _run(config, dev, model, tok, train_tokens, val_tokens, out_dir)
     finally:
@@ -225,16 +258,23 @@ def train(config: TrainConfig) -> TrainResult:
 def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir) -> TrainResult:
     if config.precision == "bf16":
         model.to(torch.bfloat16)
-    dev.place(model)
-    names = config.activations.split(",")
-    Activations(model.blocks, names[0] if len(names) == 1 else names, dev)  # "keep": nothing changes
-    params = list(model.parameters())
-    swapper = None
+    swapper = weights_home = streamer = None
     if config.nvme_dir is not None:
         Path(config.nvme_dir).mkdir(parents=True, exist_ok=True)  # preflight checked that it can be made
         swapper = Swapper(config.nvme_dir)
+    if config.params_on == "device":
+        dev.place(model)
+    else:  # the blocks' weights stay home and come up block by block; the rest is placed
+        if config.params_on == "nvme":
+            (Path(config.nvme_dir) / "weights").mkdir(exist_ok=True)
+            weights_home = Swapper(Path(config.nvme_dir) / "weights")
+        streamer = ParamStreamer(model, dev, prefetch=config.prefetch, home=config.params_on,
+                                 swapper=weights_home)
+    names = config.activations.split(",")
+    Activations(model.blocks, names[0] if len(names) == 1 else names, dev)  # "keep": nothing changes
+    params = list(model.parameters())
     if config.offload:
-        opt = OffloadAdam(params, dev, lr=config.lr, options=config.optimizer, swapper=swapper)
+        opt = OffloadAdam(params, dev, lr=config.lr, options=config.optimizer, swapper=swapper, streamer=streamer)
     else:
         if config.precision == "bf16":
             warnings.warn("precision='bf16' with offload=False: torch AdamW updates the bf16 weights directly "
@@ -295,9 +335,10 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir) -> TrainRes
                         **({"val": f"{val:.3f}"} if val is not None else {}))
     bar.close()
 
-    summary = _summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_per_step)
-    if swapper is not None:
-        swapper.close()  # every queued write lands first
+    summary = _summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_per_step, streamer)
+    for disk in (swapper, weights_home):
+        if disk is not None:
+            disk.close()  # every queued write lands first
     paths = {"trace": dev.trace.save(out_dir / "trace.json"), "loss": out_dir / "loss.csv",
              "summary": out_dir / "summary.json"}
     with open(paths["loss"], "w", newline="") as f:
@@ -309,7 +350,7 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir) -> TrainRes
     return TrainResult(losses, val_losses, summary, out_dir, paths)
 
 
-def _summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_per_step) -> dict:
+def _summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_per_step, streamer) -> dict:
     timed = windows[1:] if len(windows) > 1 else windows  # leave the warm-up step out
     spans = dev.trace.spans
     totals = dict.fromkeys(PHASES, 0.0)
@@ -341,6 +382,11 @@ def _summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens
         "device_peak_bytes": dev.ledger.peak("device"),
         "optimizer_host_bytes": host_bytes,
         "optimizer_nvme_bytes": 12 * sum(sub.numel for sub in opt.subgroups) if getattr(opt, "nvme", None) else 0,
+        **({} if streamer is None else {
+            "weights_bytes": (weights := sum(p.numel() * p.element_size() for p in model.parameters())),
+            "weights_over_device": weights / dev.ledger.capacity("device"),
+            "streamed_peak_bytes": streamer.peak_bytes, "stream_budget_bytes": streamer.budget_bytes,
+            "fetches": streamer.fetches, "reorders": streamer.reorders}),
         "final_train_loss": losses[-1],
         "final_val_loss": val_losses[max(val_losses)],
         "best_val_loss": min(val_losses.values()),
@@ -377,6 +423,11 @@ def format_summary(summary: dict) -> str:
     lines += [f"throughput          {summary['tokens_per_s']:,.0f} tokens/s",
               f"device peak memory  {format_bytes(summary['device_peak_bytes'])}",
               f"optimizer on host   {format_bytes(summary['optimizer_host_bytes'])} pinned{on_nvme}",
+              *([f"weights streamed    from {cfg['params_on']}, {cfg['prefetch']} ahead: "
+                 f"{format_bytes(summary['weights_bytes'])} of weights, "
+                 f"{summary['weights_over_device']:.1f}x the device's memory; at most "
+                 f"{format_bytes(summary['streamed_peak_bytes'])} of them on it"]
+                if "weights_bytes" in summary else []),
               f"final loss          train {summary['final_train_loss']:.4f}, val {summary['final_val_loss']:.4f} "
               f"(best val {summary['best_val_loss']:.4f} at step {summary['best_val_step']})",
               f"sample ({len(summary['sample'])} characters):",

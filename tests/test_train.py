@@ -142,3 +142,31 @@ def test_activation_policies_train_the_same_losses(tmp_path):
     with pytest.raises(ValueError, match="lists 3 policies and the tiny model has 2 blocks"):
         train(TrainConfig(activations="keep,keep,keep", out_dir=str(tmp_path / "bad"), **SHORT))
     assert not (tmp_path / "bad").exists()  # refused before anything was written
+
+
+def test_streamed_weights_train_the_same_losses_from_the_command_line(tmp_path, capsys):
+    resident = train(TrainConfig(steps=3, out_dir=str(tmp_path / "resident"), **SHORT)).losses
+    host = train(TrainConfig(steps=3, params_on="host", prefetch=0, out_dir=str(tmp_path / "host"), **SHORT))
+    assert host.losses == resident and host.summary["weights_over_device"] > 0
+    assert host.summary["streamed_peak_bytes"] <= host.summary["stream_budget_bytes"]
+    assert main(["train", "--device", "sim", "--model", "tiny", "--block-size", "32", "--batch-size", "8",
+                 "--steps", "3", "--no-progress", "--params-on", "nvme", "--nvme-dir", str(tmp_path / "disk"),
+                 "--prefetch", "2", "--device-memory", "700KB", "--out-dir", str(tmp_path / "nvme")]) == 0
+    out = capsys.readouterr().out
+    assert "weights streamed    from nvme, 2 ahead" in out
+    summary = json.loads((tmp_path / "nvme" / "summary.json").read_text())
+    assert summary["final_train_loss"] == pytest.approx(resident[-1], abs=0) and summary["fetches"] > 0
+    assert (tmp_path / "disk" / "weights" / "index.json").exists()
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"params_on": "disk"}, "TrainConfig.params_on must be one of"),
+    ({"prefetch": -1}, "TrainConfig.prefetch must be an int >= 0"),
+    ({"params_on": "nvme"}, "give TrainConfig.nvme_dir"),
+    ({"params_on": "host", "optimizer": OffloadOptions(delay_updates_after=1)}, "updates the streamed weights"),
+    ({"params_on": "host", "offload": False}, "params_on: OffloadAdam's options"),
+    ({"device_memory": 0}, "TrainConfig.device_memory must be a positive number of bytes"),
+])
+def test_bad_streaming_settings_are_refused(fields, words):
+    with pytest.raises(ValueError, match=words):
+        TrainConfig(**fields)

@@ -8,6 +8,8 @@ Pure bookkeeping (nothing here allocates real memory):
 * `activation_bytes_per_layer(...)`: activation memory of one GPT block, from Korthikanti et al.,
   "Reducing Activation Recomputation in Large Transformer Models" (2022).
 * `engine_bytes(...)`: what `OffloadAdam` holds on each tier, exactly, subgroup by subgroup.
+* `streamed_bytes(...)`, `activation_bytes(...)`: each tier with the blocks' weights streamed (chapter 8), and
+  the activations a stack of blocks holds under one of chapter 7's policies.
 
 `Ledger` (named tiers with capacities, an out-of-memory error that says what to change, a history) lives in
 ledger.py and the units in units.py; both are importable from here, as chapter 1 does.
@@ -220,6 +222,82 @@ def activation_bytes_per_layer(
         return 2 * s * b * h
     attention_scores = 0 if flash_attention else 5 * a * s * s * b
     return 34 * s * b * h + attention_scores
+
+
+ACTIVATION_POLICIES = ("keep", "recompute", "selective", "offload", "offload_input")  # chapter 7's
+
+
+def activation_bytes(num_layers: int, seq_len: int, batch_size: int, hidden: int, num_heads: int,
+                     policy: str = "keep", value_bytes: int = 2) -> int:
+    """Activations on the device at the start of backward, for a stack of `num_layers` blocks under one policy:
+    every block but one holds what the policy keeps, and the block in backward holds its whole set again
+    (recomputed or brought back): (num_layers - 1) x held + keep. Per block, with chapter 7's policies:
+
+        keep           Korthikanti et al.'s count (activation_bytes_per_layer)
+        recompute      the block's input, 2 s b h
+        selective      all but the attention scores (the count without the a s^2 term)
+        offload        nothing: the saved tensors wait in host memory (not counted here)
+        offload_input  nothing: the input waits in host memory
+
+    `value_bytes`: 2 for 16-bit activations (the formula's), 4 for fp32 (twice the bytes).
+    """
+    _require(policy, ACTIVATION_POLICIES, "activation policy")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+    if value_bytes not in (2, 4):
+        raise ValueError(f"value_bytes must be 2 (16-bit) or 4 (fp32), got {value_bytes!r}")
+    shape = (seq_len, batch_size, hidden, num_heads)
+    keep = activation_bytes_per_layer(*shape)
+    held = {"keep": keep, "recompute": activation_bytes_per_layer(*shape, checkpointing=True),
+            "selective": activation_bytes_per_layer(*shape, flash_attention=True)}.get(policy, 0)
+    return ((num_layers - 1) * held + keep) * value_bytes // 2
+
+
+def streamed_bytes(num_params: float, num_layers: int, resident_params: float = 0, params_on: str = "host",
+                   prefetch: int = 1, precision: str = "mixed_bf16", nvme: bool = False, activations: int = 0,
+                   subgroup_numel: int = 1 << 22) -> dict[str, int]:
+    """Bytes on each tier when the blocks' weights are streamed (chapter 8) from their home `params_on` ("host" or
+    "nvme"), `prefetch` blocks ahead, with the optimizer offloaded (its state on NVMe when `nvme`). The model is
+    `num_layers` equal blocks plus `resident_params` outside them (embeddings, tied head, final norm).
+
+    device: the resident weights, the window of prefetch + 1 blocks' weights, one block's gradients in flight
+        (model dtype), and `activations` (bytes, e.g. from `activation_bytes`).
+    host: the offloaded optimizer's per-parameter bytes (`footprint` with "optimizer_cpu" or "optimizer_nvme"),
+        the NVMe tier's three working sets of `subgroup_numel` (when `nvme`), and with the "host" home one copy of
+        the blocks in the model's dtype (none when the master already is in that dtype: fp32).
+        With the "nvme" home, the prefetch + 2 pinned bounce buffers of a block that fetches read into.
+    nvme: the optimizer's files (when `nvme`) and, with the "nvme" home, the blocks in the model's dtype.
+
+    Not counted: alignment padding, the buffers of writes in flight, what `engine_bytes` adds for hybrid updates.
+    """
+    if params_on not in ("host", "nvme"):
+        raise ValueError(f"params_on must be 'host' or 'nvme' (where streamed blocks live; footprint() counts "
+                         f"weights resident on the device), got {params_on!r}")
+    _require(precision, PRECISIONS, "precision")
+    _require_positive(num_params, "num_params")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+    if not 0 <= resident_params < num_params:
+        raise ValueError(f"resident_params must be in [0, num_params), got {resident_params!r} of {num_params!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0 (blocks fetched ahead), got {prefetch!r}")
+    if activations < 0:
+        raise ValueError(f"activations must be a number of bytes >= 0, got {activations!r}")
+    model_b = _MODEL_BYTES[precision]
+    block = (num_params - resident_params) / num_layers
+    optimizer = footprint(precision, "adam", "optimizer_nvme" if nvme else "optimizer_cpu")
+    device = resident_params * model_b + (prefetch + 2) * block * model_b + activations  # window + grads
+    host = num_params * optimizer.per_param("host")
+    disk = num_params * optimizer.per_param("nvme")
+    if nvme:
+        host += 3 * (4 + 4 * _STATE_COUNT["adam"]) * min(subgroup_numel, num_params)
+    home = (num_params - resident_params) * model_b
+    if params_on == "nvme":
+        disk += home
+        host += (prefetch + 2) * block * model_b  # streaming.py's bounce buffers
+    elif model_b != _MASTER_BYTES[precision]:
+        host += home
+    return {"device": round(device), "host": round(host), "nvme": round(disk)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
     hw.link_h2d / 1e9                       # achieved pinned host-to-device GB/s
     hw.cite("link_h2d")                     # where that figure comes from
     here = profiles.probe()                 # this machine: the simulated device plus measured host figures
+    profiles.preset("v100-dgx2")            # also the machines of published setups (PAPER_PRESETS)
 
 A `Hardware` profile describes ONE device and the part of a host it can count on: in an 8-GPU server,
 one GPU, its own PCIe link, an eighth of the host's memory and an even share of its cores, memory
@@ -144,6 +145,25 @@ _SRC = {
     "gh200_host": "NVIDIA GH200 datasheet: 480 GB LPDDR5X, 72 cores (the whole Grace CPU per GPU)",
     "workstation": "estimate: a workstation with 128 GiB of host memory and 16 cores",
     "laptop": "estimate: a laptop with 32 GiB of host memory and 8 cores",
+    # the machines of published setups (PAPER_PRESETS)
+    "a100_sxm": "NVIDIA A100 datasheet (80GB SXM: HBM2e 2,039 GB/s; BF16 tensor 312 TFLOPS dense; FP32 19.5 TFLOPS)",
+    "dgx_a100_host": "NVIDIA DGX A100 datasheet (640GB system): 2 TB of system memory (DIMMs: taken as 2 TiB) "
+                     "and 2 x AMD EPYC 7742 (64 cores each) for 8 GPUs: 256 GiB and 16 cores per GPU",
+    "epyc_7742": "estimate: 2 x AMD EPYC 7742 (8 x DDR4-3200 = 204.8 GB/s theoretical each), ~70% achieved with a "
+                 "STREAM-like pattern, shared by 8 GPUs: a quarter socket per GPU",
+    "nvme_dgx_a100": "estimate: DGX A100 datasheet's 8 x 3.84 TB U.2 NVMe data drives, one per GPU, taken at the "
+                     "Samsung PM1733 datasheet's Gen4 rates (7.0 GB/s read, 3.8 GB/s write)",
+    "v100": "NVIDIA V100 datasheet (SXM 32GB: HBM2 900 GB/s; FP32 15.7 TFLOPS) and DGX-2 datasheet (16 x V100 32GB, "
+            "2 PFLOPS tensor = 125 TFLOPS each). V100 has no bf16: peak_flops_bf16 holds its FP16 tensor-core peak, "
+            "what a mixed_fp16 model computes with",
+    "pcie3": "PCIe 3.0 x16: 8 GT/s x 16 lanes x 128/130 encoding = 15.75 GB/s per direction",
+    "pcie3_achieved": "estimate: ~80% of PCIe 3.0 x16 theoretical (pinned copies typically 12-13 GB/s)",
+    "dgx2_host": "NVIDIA DGX-2 datasheet: 1.5 TB of system memory (DIMMs: taken as 1.5 TiB) and 2 x Xeon Platinum "
+                 "8168 (24 cores each) for 16 GPUs: 96 GiB and 3 cores per GPU",
+    "xeon_8168": "estimate: 2 x Xeon Platinum 8168 (6 x DDR4-2666 = 128 GB/s theoretical each), ~70% achieved, "
+                 "shared by 16 GPUs: an eighth of a socket per GPU",
+    "nvme_dgx2": "estimate: DGX-2 datasheet's 8 x 3.84 TB NVMe data drives for 16 GPUs (half a drive each); a PCIe "
+                 "Gen3 x4 data-centre drive taken at ~3 GB/s read and ~2 GB/s write sequential",
 }
 
 
@@ -219,13 +239,39 @@ def _presets() -> dict[str, Hardware]:
     return {hw.name: hw for hw in out}
 
 
+def _paper_presets() -> dict[str, Hardware]:
+    gpu = ("device_memory", "device_bandwidth", "peak_flops_bf16", "peak_flops_fp32")
+    out = [
+        _preset("a100-sxm", "A100 SXM4 80GB in a DGX A100-like node (PCIe Gen4 host link; 8 GPUs, 2 sockets)",
+                device_memory=80 * GB, device_bandwidth=2039 * GB, bf16=312e12, fp32=19.5e12,
+                link_theoretical=31.5 * GB, link_achieved=25 * GB, host_memory=256 * GiB,
+                host_bandwidth=_share(0.7 * 204.8 * GB, 4), nvme_read=7.0 * GB, nvme_write=3.8 * GB, cores=16,
+                src={**dict.fromkeys(gpu, "a100_sxm"), "link_theoretical": "pcie4", "link_h2d": "pcie4_achieved",
+                     "host_memory": "dgx_a100_host", "host_bandwidth": "epyc_7742", "cores": "dgx_a100_host",
+                     "nvme_read": "nvme_dgx_a100", "nvme_write": "nvme_dgx_a100"}),
+        _preset("v100-dgx2", "V100 SXM 32GB, one GPU's share of a DGX-2 (PCIe Gen3 host link; 16 GPUs, 2 sockets)",
+                device_memory=32 * GB, device_bandwidth=900 * GB, bf16=125e12, fp32=15.7e12,
+                link_theoretical=15.75 * GB, link_achieved=12.6 * GB, host_memory=96 * GiB,
+                host_bandwidth=_share(0.7 * 128 * GB, 8), nvme_read=1.5 * GB, nvme_write=1.0 * GB, cores=3,
+                src={**dict.fromkeys(gpu, "v100"), "link_theoretical": "pcie3", "link_h2d": "pcie3_achieved",
+                     "host_memory": "dgx2_host", "host_bandwidth": "xeon_8168", "cores": "dgx2_host",
+                     "nvme_read": "nvme_dgx2", "nvme_write": "nvme_dgx2"}),
+    ]
+    return {hw.name: hw for hw in out}
+
+
 PRESETS: dict[str, Hardware] = _presets()
+# The machines of published setups (streaming_cost checks them on paper). They are kept out of PRESETS, whose rows
+# the chapters' tables print; `preset(name)` finds them too.
+PAPER_PRESETS: dict[str, Hardware] = _paper_presets()
 
 
 def preset(name: str) -> Hardware:
     """A cited profile by name; an unknown name lists the valid ones (and `probe()` for this machine)."""
+    if name in PAPER_PRESETS:
+        return PAPER_PRESETS[name]
     if name not in PRESETS:
-        raise ValueError(f"unknown hardware preset {name!r}; choose one of {', '.join(PRESETS)} "
+        raise ValueError(f"unknown hardware preset {name!r}; choose one of {', '.join([*PRESETS, *PAPER_PRESETS])} "
                          "(or profiles.probe() for this machine)")
     return PRESETS[name]
 

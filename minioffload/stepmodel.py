@@ -25,15 +25,16 @@ that spills into the next step is counted as it would be in a long run.
 Streamed parameters (chapter 8, `params_on="host"` or `"nvme"`): the blocks' weights live off the device. Forward
 and backward run block by block (backward in reverse); each block's compute waits for its fetch (an H2D copy, after
 an NVMe read with the "nvme" home), and the fetch of the v-th block visited may not start before the (v - k - 1)-th
-has finished computing (k = `prefetch`: at most k + 1 blocks on the device). Weights outside the blocks stay
+has finished computing (k = `prefetch`: at most k + 1 blocks on the device); a block whose backward comes within k
+uses of its forward is kept, not fetched again (streaming.py's rule). Weights outside the blocks stay
 resident and their FLOPs are counted at the LM head, between forward and backward. After the update nothing is
 uploaded: the CPU rounds the master into the host home (no pass for fp32: the master is the home) or writes the
-rounded weights to NVMe. `Prediction.exposed_fetch_s` is the fetch time not hidden under compute.
+rounded weights to NVMe. `Prediction.exposed_fetch_s` is the fetch time not hidden under compute. Not modelled:
+the runtime's prefetches of the next step's first blocks during the last backward, which its optimizer step drops.
 
 What this is not: a simulator of kernels or of an allocator. It knows the runtime's configurations
 (on-device, optimizer offload, delayed update, hybrid split, NVMe tier, streamed parameters) and the byte counts
-each moves; it
-ignores Python overheads, caches, and everything the profile does not name.
+each moves; it ignores Python overheads, caches, and everything the profile does not name.
 """
 
 from __future__ import annotations
@@ -226,7 +227,9 @@ class _Builder:
 
     def streamed_forward_backward(self, after: int | None) -> tuple[int, list[int]]:
         """Block by block: forward 0..L-1, the resident head, backward L-1..0; each block fetched before it runs
-        (within the window of prefetch + 1 blocks) and its gradient copied out after its backward."""
+        (within the window of prefetch + 1 blocks) and its gradient copied out after its backward. As the runtime
+        does, a block whose backward is among the next `prefetch` uses after its forward stays (the last
+        (prefetch + 1) // 2 blocks turn into the backward without a second fetch)."""
         plan, work, hw, mb = self.plan, self.work, self.hw, self.work.model_bytes
         layers, window = work.num_layers, self.config.prefetch + 1
         block, head = work.block_params, work.resident_params
@@ -235,18 +238,22 @@ class _Builder:
         visits = [*((False, i) for i in range(layers)), *((True, i) for i in reversed(range(layers)))]
         computes, copies, last = [], [], after
         for v, (backward, i) in enumerate(visits):
-            deps = [computes[v - window] if v >= window else None, None if backward else after]
-            if self.config.params_on == "nvme":  # NVMe into a pinned bounce buffer, then over the link
-                deps = [plan.add("nvme_read", f"read block {i}", block * mb / hw.nvme_read, deps, block * mb,
-                                 stream="param read", host_bytes=block * mb)]
-            fetch = self.copy("h2d", block * mb, block_tensors, f"fetch block {i}", deps, "param h2d")
-            if backward and i == layers - 1:  # the head: its forward and backward, with the weights it keeps
+            if backward and i == layers - 1:  # the head, between forward and backward, with the weights it keeps
                 last = plan.add("compute", "forward head", self.forward_s * head / work.num_params, [last],
                                 stream="compute")
                 last = plan.add("compute", "backward head", self.backward_s * head / work.num_params
                                 + head_tensors * hw.copy_overhead * bool(head), [last], stream="compute")
                 if head:
                     copies.append(self.copy("d2h", head * mb, head_tensors, "d2h grad", [last], "d2h"))
+            fetch = None
+            if not (backward and 2 * (layers - 1 - i) < window - 1):  # else kept since its forward: used again soon
+                deps = [computes[v - window] if v >= window else None, None if backward else after]
+                if window == 1:  # on demand: issued when the block is next, after whatever computed last (the head)
+                    deps.append(last)
+                if self.config.params_on == "nvme":  # NVMe into a pinned bounce buffer, then over the link
+                    deps = [plan.add("nvme_read", f"read block {i}", block * mb / hw.nvme_read, deps, block * mb,
+                                     stream="param read", host_bytes=block * mb)]
+                fetch = self.copy("h2d", block * mb, block_tensors, f"fetch block {i}", deps, "param h2d")
             seconds = self.forward_s * block / work.num_params
             if backward:  # the host issues each gradient copy from its hook
                 seconds = self.backward_s * block / work.num_params + block_tensors * hw.copy_overhead

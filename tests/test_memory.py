@@ -1,6 +1,7 @@
 """Byte accounting: the footprint table, the activation formula, and the Ledger."""
 
 import threading
+from itertools import pairwise
 
 import pytest
 import torch
@@ -113,6 +114,75 @@ def test_activation_formula_of_korthikanti_et_al():
 def test_activation_bad_shapes_are_refused(args):
     with pytest.raises(ValueError, match="positive integer|divisible"):
         memory.activation_bytes_per_layer(*args)
+
+
+# --- streamed parameters (chapter 8) ---------------------------------------------------------------
+
+LAYERS, RESIDENT, NUM = 8, 1_000_000, 81_000_000  # eight blocks of 10M parameters
+
+
+def test_streamed_device_bytes_grow_by_exactly_one_block_per_prefetch_depth():
+    for precision, model_b in (("mixed_bf16", 2), ("fp32", 4)):
+        sizes = [memory.streamed_bytes(NUM, LAYERS, RESIDENT, "host", k, precision)["device"] for k in range(4)]
+        assert [b - a for a, b in pairwise(sizes)] == [10_000_000 * model_b] * 3
+        # resident weights, the window of k + 1 blocks, one block's gradients
+        assert sizes[2] == RESIDENT * model_b + (3 + 1) * 10_000_000 * model_b
+    with_acts = memory.streamed_bytes(NUM, LAYERS, RESIDENT, "host", 2, activations=12345)["device"]
+    assert with_acts == memory.streamed_bytes(NUM, LAYERS, RESIDENT, "host", 2)["device"] + 12345
+
+
+def test_streamed_host_and_nvme_bytes_add_the_home_to_the_offloaded_optimizer():
+    host = memory.streamed_bytes(NUM, LAYERS, RESIDENT, "host")
+    assert host["host"] == NUM * 18 + (NUM - RESIDENT) * 2 and host["nvme"] == 0  # 18 B/param + the bf16 home
+    on_nvme = memory.streamed_bytes(NUM, LAYERS, RESIDENT, "nvme")
+    # the home on NVMe; the host keeps the bounce buffers fetches read into, prefetch + 2 blocks
+    assert on_nvme["host"] == NUM * 18 + 3 * 10_000_000 * 2 and on_nvme["nvme"] == (NUM - RESIDENT) * 2
+    # fp32: the master is the home, nothing more on the host
+    assert memory.streamed_bytes(NUM, LAYERS, RESIDENT, "host", precision="fp32")["host"] == NUM * 20
+    # the optimizer on NVMe too: the host keeps the gradients and the tier's three working sets
+    both = memory.streamed_bytes(NUM, LAYERS, RESIDENT, "nvme", nvme=True, subgroup_numel=1 << 20)
+    assert both["host"] == NUM * 6 + 3 * 12 * (1 << 20) + 3 * 10_000_000 * 2
+    assert both["nvme"] == NUM * 24 + (NUM - RESIDENT) * 2
+
+
+def test_streamed_device_bytes_agree_with_the_runtimes_plan():
+    from minioffload import streaming
+    from minioffload.models import GPT, GPTConfig
+    from minioffload.stepmodel import Workload
+
+    with torch.device("meta"):  # sizes only
+        model = GPT(GPTConfig.preset("small", vocab_size=74))
+    work = Workload.of(model, 128)
+    block = work.block_params * 4
+    for k in range(4):
+        _, resident, _, window = streaming.plan(model, k, None, None)
+        assert window == (k + 1) * block  # the runtime's budget: a block and its k prefetches
+        device = memory.streamed_bytes(work.num_params, work.num_layers, work.resident_params, "host", k, "fp32")
+        assert device["device"] == sum(p.numel() for p in resident) * 4 + window + block  # + one block's grads
+
+
+def test_activation_bytes_per_policy():
+    s, b, h, a, layers = 1024, 2, 512, 8, 6
+    keep = memory.activation_bytes_per_layer(s, b, h, a)
+    assert memory.activation_bytes(layers, s, b, h, a) == layers * keep
+    assert memory.activation_bytes(layers, s, b, h, a, "recompute") == (layers - 1) * 2 * s * b * h + keep
+    assert memory.activation_bytes(layers, s, b, h, a, "selective") == (layers - 1) * 34 * s * b * h + keep
+    assert memory.activation_bytes(layers, s, b, h, a, "offload") == keep
+    assert memory.activation_bytes(layers, s, b, h, a, "offload_input", value_bytes=4) == 2 * keep
+    from minioffload import activation_cost, activations
+    assert memory.ACTIVATION_POLICIES == activation_cost.POLICIES == activations.POLICIES
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: memory.streamed_bytes(NUM, LAYERS, params_on="device"), "must be 'host' or 'nvme'.*got 'device'"),
+    (lambda: memory.streamed_bytes(NUM, LAYERS, prefetch=-1), "prefetch must be an int >= 0"),
+    (lambda: memory.streamed_bytes(NUM, 0), "num_layers must be a positive integer"),
+    (lambda: memory.streamed_bytes(NUM, LAYERS, resident_params=NUM), "resident_params"),
+    (lambda: memory.activation_bytes(4, 128, 1, 64, 4, "swap"), "unknown activation policy 'swap'"),
+])
+def test_bad_streaming_inputs_are_refused(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
 
 
 # --- Ledger ---------------------------------------------------------------------------------------

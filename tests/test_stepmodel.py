@@ -2,6 +2,7 @@
 overlaps the runtime has (delayed update, hybrid split) and the shared host of the sim."""
 
 import dataclasses
+from itertools import pairwise
 
 import pytest
 
@@ -168,3 +169,130 @@ def test_the_update_phase_alone_is_bounded_by_its_host_memory_traffic():
     assert pred.bound == "host memory"
     backward_end = max(s.end for s in pred.trace.spans if s.name == "backward")
     assert pred.step_s - backward_end >= N * 24 / 1e9
+
+
+# --- streamed parameters (chapter 8) ---------------------------------------------------------------
+
+LAYERS, HEAD = 10, N // 10  # ten blocks of 90_000 parameters and a resident head of 100_000
+STREAMED = Workload(N, T, "fp32", num_tensors=40, num_layers=LAYERS, resident_params=HEAD)
+
+
+def streamed(hw, **config):
+    return stepmodel.predict(STREAMED, hw, StepConfig(mfu=1.0, **config))
+
+
+def lane_bytes(pred, lane, prefix=""):
+    return sum(s.nbytes for s in pred.trace.spans if s.lane == lane and s.name.startswith(prefix))
+
+
+@pytest.mark.parametrize("home", ["host", "nvme"])
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3, 4])
+def test_streamed_weights_cross_the_link_twice_per_step_and_are_not_uploaded_after_it(home, prefetch):
+    pred = streamed(machine(), params_on=home, prefetch=prefetch)
+    block = (N - HEAD) // LAYERS * 4  # fp32 weights of one block
+    # forward and backward fetch every block, except the last (k + 1) // 2, whose backward comes within k uses of
+    # their forward (streaming.py keeps them); no upload after the update
+    fetched = 2 * LAYERS - (prefetch + 1) // 2
+    assert lane_bytes(pred, "h2d") == fetched * block
+    assert lane_bytes(pred, "nvme_read") == (fetched * block if home == "nvme" else 0)
+    assert lane_bytes(pred, "d2h") == N * 4  # every gradient still leaves once
+    # after the update the weights go home: on NVMe, written (all of them: the optimizer updates the head too)
+    assert lane_bytes(pred, "nvme_write", "nvme write weights") == (N * 4 if home == "nvme" else 0)
+
+
+def test_streamed_update_rounds_into_the_host_home_and_issues_no_upload():
+    hw = machine(copy_overhead=1e-3)
+    on_device = stepmodel.predict(Workload(N, T, num_tensors=40), hw, StepConfig(mfu=1.0))
+    home = stepmodel.predict(Workload(N, T, num_tensors=40, num_layers=LAYERS, resident_params=HEAD), hw,
+                             StepConfig(mfu=1.0, params_on="host"))
+    rounding = [s.duration for p in (on_device, home) for s in p.trace.spans if s.name == "round + zero grad"]
+    # bf16: the same pass (read 4, write 2, zero 4 B/param), without the host time to issue 40 uploads
+    assert rounding[1] == pytest.approx(N * (4 + 2 + stepmodel.ZERO_BYTES) / 1e11)
+    assert rounding[0] == pytest.approx(rounding[1] + 40 * 1e-3)
+
+
+def test_depth_zero_exposes_every_fetch():
+    for home in ("host", "nvme"):
+        for link in (1e12, 1e9, 1e7):
+            pred = streamed(machine(link_h2d=link, link_d2h=link), params_on=home, prefetch=0)
+            assert pred.fetch_s > 0 and pred.exposed_fetch_fraction == pytest.approx(1.0), (home, link)
+
+
+def test_deeper_prefetch_never_predicts_a_longer_step():
+    for home in ("host", "nvme"):
+        for link in (1e12, 1e9, 1e8, 3e7, 1e6):
+            hw = machine(link_h2d=link, link_d2h=link, nvme_read=link / 2)
+            steps = [streamed(hw, params_on=home, prefetch=k).step_s for k in range(6)]
+            assert all(b <= a * (1 + 1e-9) for a, b in pairwise(steps)), (home, link, steps)
+            assert steps[2] < steps[0]
+
+
+def test_a_fast_link_hides_the_fetches_and_a_slow_one_exposes_them():
+    fast = streamed(machine(link_h2d=1e11, link_d2h=1e11), params_on="host", prefetch=2)
+    # only the first block's forward fetch has nothing to hide under: 1 of 2 x LAYERS - 1 fetches
+    assert fast.exposed_fetch_fraction == pytest.approx(1 / (2 * LAYERS - 1), rel=0.05)
+    assert 0.060 < fast.step_s < 0.0625 and fast.bound == "compute"  # forward, backward, the 1 ms update
+    slow = streamed(machine(link_h2d=1e6, link_d2h=1e6), params_on="host", prefetch=2)
+    assert slow.exposed_fetch_fraction > 0.99 and slow.bound == "h2d"
+
+
+def test_streaming_moves_no_flop():
+    plain = step(machine(link_h2d=1e12, link_d2h=1e12))
+    for home in ("host", "nvme"):
+        pred = streamed(machine(link_h2d=1e12, link_d2h=1e12), params_on=home)
+        assert pred.busy["compute"] == pytest.approx(plain.busy["compute"])
+        names = [s.name for s in pred.trace.spans if s.lane == "compute"]
+        assert names.index("forward block 9") < names.index("forward head") < names.index("backward block 9") \
+            < names.index("backward block 0")
+
+
+def test_params_on_device_predicts_what_it_did_before_streaming_existed():
+    # values computed by the step model before chapter 8 added params_on (same workloads, same presets)
+    h100 = stepmodel.predict(Workload(7_000_000_000, 8 * 4096, num_tensors=291), profiles.preset("h100-sxm"))
+    assert h100.step_s == pytest.approx(10.6452207916231, rel=1e-12)
+    config = StepConfig(nvme=True, clip=True, subgroup_numel=50_000_000)
+    rtx = stepmodel.predict(Workload(1_300_000_000, 4096, "fp32", 150, True), profiles.preset("rtx4090"), config)
+    assert rtx.step_s == pytest.approx(6.032538235304857, rel=1e-12) and rtx.bound == "nvme"
+    # the block structure and the prefetch depth mean nothing while the weights are resident
+    layered = stepmodel.predict(Workload(7_000_000_000, 8 * 4096, num_tensors=291, num_layers=32,
+                                         resident_params=10**8), profiles.preset("h100-sxm"), StepConfig(prefetch=4))
+    assert layered.step_s == h100.step_s and layered.fetch_s == 0 and layered.exposed_fetch_fraction == 0
+
+
+def test_workload_of_a_gpt_counts_its_blocks():
+    from minioffload.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig.preset("small", vocab_size=74))
+    work = Workload.of(model, 128)
+    in_blocks = sum(p.numel() for p in model.blocks.parameters())
+    assert work.num_layers == 6 and work.resident_params == work.num_params - in_blocks
+    assert work.block_params == in_blocks / 6
+    plain = Workload.of(torch_linear(), 128)
+    assert plain.num_layers == 1 and plain.resident_params == 0
+
+
+def torch_linear():
+    import torch
+
+    return torch.nn.Linear(4, 4)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(prefetch=-1), "prefetch must be an int >= 0"),
+    (dict(prefetch=1.5), "prefetch must be an int >= 0"),
+    (dict(prefetch=True), "prefetch must be an int >= 0"),
+    (dict(params_on="gpu"), "params_on must be one of 'device', 'host', 'nvme', got 'gpu'"),
+    (dict(params_on="host", offload=False), "set offload=True"),
+    (dict(params_on="nvme", delay=True), "synchronous CPU update only"),
+    (dict(params_on="host", stride=2), "synchronous CPU update only"),
+])
+def test_bad_streaming_configurations_are_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        StepConfig(**bad)
+
+
+def test_bad_block_structures_are_refused():
+    with pytest.raises(ValueError, match="num_layers must be at least 1"):
+        Workload(N, T, num_layers=0)
+    with pytest.raises(ValueError, match=r"resident_params must be in \[0, num_params\)"):
+        Workload(N, T, resident_params=N)

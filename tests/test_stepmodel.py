@@ -296,3 +296,25 @@ def test_bad_block_structures_are_refused():
         Workload(N, T, num_layers=0)
     with pytest.raises(ValueError, match=r"resident_params must be in \[0, num_params\)"):
         Workload(N, T, resident_params=N)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+def test_a_fetch_starts_when_the_block_k_plus_one_uses_back_has_computed(prefetch):
+    # a fast link: a fetch starts as soon as the window lets it, not when the link is free
+    pred = streamed(machine(link_h2d=1e12, link_d2h=1e12), params_on="host", prefetch=prefetch)
+    spans = sorted(pred.trace.spans, key=lambda s: s.start)
+    fetches = [s for s in spans if s.name.startswith("fetch block")]
+    computes = [s for s in spans if s.name.startswith(("forward block", "backward block"))]
+    assert len(computes) == 2 * LAYERS and len(fetches) == 2 * LAYERS - (prefetch + 1) // 2
+    fetched = [c for c in computes if not (c.name.startswith("backward")
+                                           and 2 * (LAYERS - 1 - int(c.name.split()[-1])) < prefetch)]
+    for fetch, compute in zip(fetches, fetched, strict=True):
+        v = computes.index(compute)
+        assert fetch.end <= compute.start + 1e-12  # a block computes once its weights are there
+        if prefetch == 0:  # on demand: once whatever came before (the head included) has computed
+            before = max((s.end for s in spans if s.lane == "compute" and s.end <= compute.start), default=0.0)
+            assert fetch.start == pytest.approx(before, abs=1e-9)
+        elif v > prefetch:  # the window: when the (k + 1)-th use back is done
+            assert fetch.start == pytest.approx(computes[v - prefetch - 1].end, abs=1e-9)
+        else:  # the first k + 1 fetches start with the step
+            assert fetch.start < computes[0].end

@@ -99,6 +99,8 @@ class OffloadAdam(torch.optim.Optimizer):
         self._device_opt, self._kept_groups = self._device_optimizer()
         self.subgroups, self._slots = layout.pack(self.param_groups, options.subgroup_numel, set(self.kept))
         self.device_path = self.nvme = None
+        if streamer is not None:
+            streamer.wraps = False  # the blocks change at step(): it prefetches the next pass after the update
         self._pack()
         self._share_homes()
         for slot in self._slots.values():

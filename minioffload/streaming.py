@@ -43,7 +43,6 @@ from torch import nn
 from .units import format_bytes
 
 HOMES = ("host", "nvme")
-_ALIGN = 4096  # bounce-buffer offsets: the swapper reads with O_DIRECT
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
@@ -58,15 +57,23 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
 @dataclass(eq=False)
 class _Block:
     index: int
-    params: list[nn.Parameter]  # streamed: this block's alone
+    params: list[nn.Parameter]  # streamed: this block's alone, all of one dtype
     names: list[str]
-    nbytes: int
+    offsets: list[int]  # where each parameter starts in the block's flat storage (elements)
+    numel: int
+    dtype: torch.dtype
+    flat: torch.Tensor | None = None  # on the device: one storage every parameter of the block is a view of
+    segments: list = field(default_factory=list)  # host: (offset, 1-D pinned tensor) pieces that make up the block
     state: str = "home"  # home | reading (nvme: into `bounce`) | device (its copies queued, `arrived` after them)
     arrived: object = None
     in_use: int = 0  # computing: a forward between its hooks, or a backward between its two gradient hooks
     backward: bool = False  # fetched for its backward (a recomputed forward inside it is not a new use)
-    reads: list = field(default_factory=list)
+    read: object = None  # nvme: the future of the read into `bounce`
     bounce: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
 
 
 def _split(model: nn.Module, modules: list[nn.Module]) -> tuple[list[_Block], list[nn.Parameter]]:
@@ -94,8 +101,13 @@ def _split(model: nn.Module, modules: list[nn.Module]) -> tuple[list[_Block], li
     blocks = []
     for index in range(len(modules)):
         params = [p for p, where in owners.items() if where == {index}]
-        blocks.append(_Block(index, params, [names[p] for p in params],
-                             sum(p.numel() * p.element_size() for p in params)))
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"block {index} mixes dtypes {sorted(map(str, dtypes))}: streaming moves a block as "
+                             "one piece of memory; cast the model to one dtype")
+        offsets = [sum(q.numel() for q in params[:i]) for i in range(len(params))]
+        blocks.append(_Block(index, params, [names[p] for p in params], offsets, sum(p.numel() for p in params),
+                             params[0].dtype if params else torch.float32))
     resident = [p for p, where in owners.items() if len(where) > 1 or where == {-1}]
     return blocks, resident
 
@@ -170,45 +182,47 @@ class ParamStreamer:
         self.device_bytes = self.peak_bytes = 0  # streamed weights on the device (counting reads in flight)
         self.fetches = self.reorders = 0
         self.order: list[tuple[bool, int]] | None = None  # recorded uses: (backward?, block index)
+        # prefetch across the end of a pass into the next; off when an optimizer changes the weights between
+        # passes (OffloadAdam turns it off and has the next pass's first blocks prefetched after its update)
+        self.wraps = True
         self._pos, self._recording = 0, []
-        self._home: dict[nn.Parameter, torch.Tensor] = {}
+        self._where = {id(p): (block, i) for block in self.blocks for i, p in enumerate(block.params)}
         self._bounces: list[torch.Tensor] = []
-        self._writes: list = []  # nvme: (future, buffer) of weights being written back
-        self._names = {id(p): name for block in self.blocks for p, name in zip(block.params, block.names, strict=True)}
-        self._fill_homes()
+        self._writing: dict[int, torch.Tensor] = {}  # nvme: block index -> its new weights, being assembled
+        self._written: dict[int, set[int]] = {}  # nvme: block index -> which of its parameters are in
+        self._writes: list = []  # nvme: (future, buffer) of blocks being written home
+        for block in self.blocks:
+            self._make_home(block)
+        if self.swapper is not None:
+            largest = max(block.nbytes for block in self.blocks)
+            self._bounces = [self.dev.host_empty(max(largest, 1), torch.uint8) for _ in range(prefetch + 2)]
         dev.place(to_place)
         self._hooks = [hook for block, module in zip(self.blocks, modules, strict=True)
                        for hook in self._register(block, module)]
 
     # homes ------------------------------------------------------------------------------------
-    def _fill_homes(self) -> None:
-        """Copy each streamed weight to its home, then free it on the device (a host tensor gets no memory)."""
-        for block in self.blocks:
-            for p, name in zip(block.params, block.names, strict=True):
-                value = p.detach().cpu() if p.device.type != "cpu" else p.detach()
-                home = self.dev.host_empty(tuple(p.shape), p.dtype)
-                home.copy_(value)
-                if self.swapper is not None:
-                    self.swapper.write(self._key(name), home).result()
-                else:
-                    self._home[p] = home
-                self.dev.free_storage(p)
+    def _make_home(self, block: _Block) -> None:
+        """Copy the block's weights into one pinned host tensor (or the swapper), and make every parameter a view
+        of one device storage, freed: from now on the block comes up in one copy and goes in one free."""
+        if not block.params:
+            return
+        home = self.dev.host_empty(block.numel, block.dtype)
+        for p, offset in zip(block.params, block.offsets, strict=True):
+            home[offset:offset + p.numel()].copy_(p.detach().reshape(-1).cpu())
+        flat = self.dev.empty(block.numel, block.dtype, name=f"block {block.index}")  # a moment, to make views
+        for p, offset in zip(block.params, block.offsets, strict=True):
+            self.dev.free_storage(p)  # its own memory goes (from the ledger too, if it was placed)
+            p.data = flat[offset:offset + p.numel()].view(p.shape)
+        self.dev.free_storage(flat)
+        block.flat = flat
         if self.swapper is not None:
-            largest = max(self._layout(block)[1] for block in self.blocks)
-            self._bounces = [self.dev.host_empty(largest, torch.uint8) for _ in range(self.prefetch + 2)]
+            self.swapper.write(self._key(block), home).result()
+        else:
+            block.segments = [(0, home)]
 
     @staticmethod
-    def _key(name: str) -> str:
-        return f"weights/{name}"
-
-    @staticmethod
-    def _layout(block: _Block) -> tuple[list[int], int]:
-        """nvme: each parameter's offset in a bounce buffer (O_DIRECT-aligned), and the buffer's size."""
-        offsets, end = [], 0
-        for p in block.params:
-            offsets.append(end)
-            end += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
-        return offsets, max(end, _ALIGN)
+    def _key(block: _Block) -> str:
+        return f"weights/block{block.index}"
 
     # hooks ------------------------------------------------------------------------------------
     def _register(self, block: _Block, module: nn.Module) -> list:
@@ -268,7 +282,8 @@ class ParamStreamer:
             self._start(block, demand=True, evict=False, budget=False)
             if block.state == "reading":
                 self._land(block)
-            self.dev.compute_waits_for(block.arrived)
+            if block.params:
+                self.dev.compute_waits_for(block.arrived)
             block.state = "resident"
 
     # uses: record the order, fetch, prefetch --------------------------------------------------
@@ -298,7 +313,8 @@ class ParamStreamer:
         if self.order is None:
             return []
         n = len(self.order)
-        return [self.order[(self._pos + j) % n][1] for j in range(min(self.prefetch, n))]
+        ahead = min(self.prefetch, n if self.wraps else n - self._pos)
+        return [self.order[(self._pos + j) % n][1] for j in range(ahead)]
 
     def _ensure(self, block: _Block) -> None:
         if block.state == "home":
@@ -308,19 +324,20 @@ class ParamStreamer:
         self._compute_waits(block)
 
     def _compute_waits(self, block: _Block) -> None:
-        self.dev.compute_waits_for(block.arrived)  # the block's compute reads the weights once they have landed
+        if block.params:
+            self.dev.compute_waits_for(block.arrived)  # the block's compute reads the weights once they have landed
 
     def _prefetch(self) -> None:
         for index in self.upcoming():
             block = self.blocks[index]
             if block.state == "home" and not self._start(block, demand=False):
                 return  # no room yet: a release will make some
-            if block.state == "reading" and all(read.done() for read in block.reads):
+            if block.state == "reading" and block.read.done():
                 self._land(block)
 
     def _start(self, block: _Block, demand: bool, evict: bool = True, budget: bool = True) -> bool:
-        """Reserve room and start bringing `block` up (host: its copies; nvme: its reads). A prefetch that does
-        not fit returns False; a demand fetch makes room by letting prefetched blocks go."""
+        """Reserve room and start bringing `block` up (host: its copy; nvme: its read). A prefetch that does not
+        fit returns False; a demand fetch makes room by letting prefetched blocks go."""
         if budget and self.device_bytes + block.nbytes > self.budget_bytes:
             if not demand:
                 return False
@@ -336,41 +353,37 @@ class ParamStreamer:
         self.device_bytes += block.nbytes
         self.peak_bytes = max(self.peak_bytes, self.device_bytes)
         self.fetches += 1
-        if self.swapper is None:
+        if self.swapper is None or not block.params:
             self._land(block)
             return True
         if not self._bounces:
             raise RuntimeError("every bounce buffer is in use: more blocks in flight than prefetch + 2")
         block.bounce = self._bounces.pop()
-        offsets, _ = self._layout(block)
-        block.reads = [self.swapper.read(self._key(name), into=self._bounce_view(block, p, offset))
-                       for p, name, offset in zip(block.params, block.names, offsets, strict=True)]
+        block.read = self.swapper.read(self._key(block), into=self._in_bounce(block))
         block.state = "reading"
         return True
 
     @staticmethod
-    def _bounce_view(block: _Block, p: nn.Parameter, offset: int) -> torch.Tensor:
-        nbytes = p.numel() * p.element_size()
-        return block.bounce[offset:offset + nbytes].view(p.dtype).view(p.shape)
+    def _in_bounce(block: _Block) -> torch.Tensor:
+        return block.bounce[:block.nbytes].view(block.dtype)
 
     def _land(self, block: _Block) -> None:
-        """Give the block's weights their memory back and queue their copies up on the copy stream."""
-        if self.swapper is not None:
-            for read in block.reads:
-                read.result()  # raises the swapper's error, naming the key
-            offsets, _ = self._layout(block)
-            sources = [self._bounce_view(block, p, o) for p, o in zip(block.params, offsets, strict=True)]
-            block.reads = []
+        """Give the block its device memory back and queue its copy up on the copy stream."""
+        block.state = "device"
+        if not block.params:
+            return
+        if block.read is not None:
+            block.read.result()  # raises the swapper's error, naming the key
+            block.read = None
+            segments = [(0, self._in_bounce(block))]
         else:
-            sources = [self._home[p] for p in block.params]
-        for p, name in zip(block.params, block.names, strict=True):
-            self.dev.restore_storage(p, f"streamed {name}")
+            segments = block.segments
+        self.dev.restore_storage(block.flat, f"streamed block {block.index}")
         self.dev.stream_waits_for_compute(self.h2d)  # memory compute freed may be handed out again: after its reads
-        for p, source in zip(block.params, sources, strict=True):
-            self.dev.copy(p.data, source, self.h2d, name=f"h2d block {block.index}")
+        for offset, host in segments:
+            self.dev.copy(block.flat[offset:offset + host.numel()], host, self.h2d, name=f"h2d block {block.index}")
         block.arrived = self.dev.event()
         block.arrived.record(self.h2d)
-        block.state = "device"
 
     # releases ---------------------------------------------------------------------------------
     def _release_unless_next(self, block: _Block) -> None:
@@ -379,40 +392,59 @@ class ParamStreamer:
 
     def _release(self, block: _Block) -> None:
         if block.state == "reading":
-            self._land(block)  # its reads must finish before the bounce buffer is reused
+            self._land(block)  # its read must finish before the bounce buffer is reused
         if block.state != "device":
+            return
+        block.state = "home"
+        self.device_bytes -= block.nbytes
+        if not block.params:
             return
         self.dev.compute_waits_for(block.arrived)  # its copies are done before its memory is freed
         if block.bounce is not None:
-            block.arrived.synchronize()  # the bounce buffer is read by the copies until they land
+            block.arrived.synchronize()  # the bounce buffer is read by the copy until it lands
             self._bounces.append(block.bounce)
             block.bounce = None
-        for p in block.params:
-            self.dev.free_storage(p)
-        self.device_bytes -= block.nbytes
-        block.state = "home"
+        self.dev.free_storage(block.flat)
 
     # the optimizer's side -----------------------------------------------------------------------
     def streams(self, param: nn.Parameter) -> bool:
-        return id(param) in self._names
+        return id(param) in self._where
 
     def host_value(self, param: nn.Parameter) -> torch.Tensor:
         """The weights of a streamed parameter as they are at home (nvme: read into a new host tensor)."""
+        block, i = self._where[id(param)]
         if self.swapper is None:
-            return self._home[param]
-        value = self.dev.host_empty(tuple(param.shape), param.dtype)
-        self.swapper.read(self._key(self._names[id(param)]), into=value).result()
-        return value
+            return self._host_view(block, i)
+        value = self.dev.host_empty(block.numel, block.dtype)
+        self.swapper.read(self._key(block), into=value).result()
+        return value[block.offsets[i]:block.offsets[i] + param.numel()].view(param.shape)
+
+    def _host_view(self, block: _Block, i: int) -> torch.Tensor:
+        """Parameter i of `block` in the host segment that holds it."""
+        start, p = block.offsets[i], block.params[i]
+        for offset, host in block.segments:
+            if offset <= start < offset + host.numel():
+                return host[start - offset:start - offset + p.numel()].view(p.shape)
+        raise AssertionError(f"no home holds {block.names[i]}")
 
     def share_home(self, param: nn.Parameter, tensor: torch.Tensor) -> bool:
-        """Let `tensor` (pinned, same shape and dtype: an fp32 master) be `param`'s home instead of a copy of it.
-        Only with a host home; returns whether it was taken."""
-        home = self._home.get(param)
-        if home is None or tensor.dtype != home.dtype or tensor.shape != home.shape:
+        """Let `tensor` (pinned, contiguous, same shape and dtype: an fp32 master) be `param`'s home instead of its
+        copy in the block's home. Only with a host home; returns whether it was taken. A block whose every
+        parameter is shared lets its own copy go."""
+        block, i = self._where[id(param)]
+        if self.swapper is not None or tensor.dtype != block.dtype or tensor.shape != param.shape:
             return False
         self.quiesce()
-        tensor.copy_(home)
-        self._home[param] = tensor
+        tensor.copy_(self._host_view(block, i))
+        start, end = block.offsets[i], block.offsets[i] + param.numel()
+        pieces = []
+        for offset, host in block.segments:  # cut [start, end) out of the segments, then put the tensor there
+            if offset < start:
+                pieces.append((offset, host[:min(host.numel(), start - offset)]))
+            if offset + host.numel() > end:
+                cut = max(0, end - offset)
+                pieces.append((offset + cut, host[cut:]))
+        block.segments = _merged([(o, h) for o, h in pieces if h.numel()] + [(start, tensor.reshape(-1))])
         return True
 
     def quiesce(self) -> None:
@@ -424,27 +456,64 @@ class ParamStreamer:
                                    "update the weights between steps")
             if block.state == "reading":
                 self._land(block)
-            if block.state == "device":
+            if block.state == "device" and block.params:
                 block.arrived.synchronize()
-                self._release(block)
+            self._release(block)
 
     def set_weights(self, param: nn.Parameter, value: torch.Tensor) -> None:
-        """Write new weights (any float dtype; rounded to the model's) home. Call `quiesce()` first."""
+        """Write new weights (any float dtype: rounded to the model's) home. Call `quiesce()` first; with an nvme
+        home, `updated()` after the last one."""
+        block, i = self._where[id(param)]
         if self.swapper is None:
-            home = self._home[param]
+            home = self._host_view(block, i)
             if home.data_ptr() != value.data_ptr():
                 home.copy_(value.view(home.shape))
             return
+        if block.index not in self._writing:
+            self._writing[block.index] = self.dev.host_empty(block.numel, block.dtype)
+            self._written[block.index] = set()
+        start = block.offsets[i]
+        self._writing[block.index][start:start + param.numel()].copy_(value.reshape(-1))
+        self._written[block.index].add(i)
+        if len(self._written[block.index]) == len(block.params):
+            self._write_home(block)
+
+    def _write_home(self, block: _Block) -> None:
+        """nvme: write the block's new weights; parameters the update did not touch keep what is on the disk."""
+        buffer, done = self._writing.pop(block.index), self._written.pop(block.index)
+        if len(done) < len(block.params):
+            old = self.dev.host_empty(block.numel, block.dtype)
+            self.swapper.read(self._key(block), into=old).result()
+            for i, p in enumerate(block.params):
+                if i not in done:
+                    buffer[block.offsets[i]:block.offsets[i] + p.numel()].copy_(
+                        old[block.offsets[i]:block.offsets[i] + p.numel()])
         self._writes = [(f, b) for f, b in self._writes if not f.done()]
-        while len(self._writes) >= 2:  # two writes in flight: the rounding of the next overlaps the disk
-            self._writes.pop(0)[0].result()
-        buffer = self.dev.host_empty(tuple(param.shape), param.dtype)
-        buffer.copy_(value.view(param.shape))
-        self._writes.append((self.swapper.write(self._key(self._names[id(param)]), buffer), buffer))
+        self._writes.append((self.swapper.write(self._key(block), buffer), buffer))
 
     def updated(self) -> None:
-        """The update is over: check the writes home, and prefetch the next pass's first blocks."""
+        """The update is over: the last writes home go (and are checked), and the next pass's first blocks are
+        prefetched."""
+        for index in list(self._writing):
+            self._write_home(self.blocks[index])
         for future, _ in self._writes:
             future.result()
         self._writes.clear()
+        if self.order is not None and self._pos == len(self.order):
+            self._pos = 0  # the next pass begins: its first blocks can come now
         self._prefetch()
+
+
+def _merged(segments: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+    """Segments sorted by offset; neighbours that are also neighbours in host memory become one (one copy)."""
+    out: list[tuple[int, torch.Tensor]] = []
+    for offset, host in sorted(segments, key=lambda seg: seg[0]):
+        if out:
+            last_offset, last = out[-1]
+            adjacent = last_offset + last.numel() == offset and last.dtype == host.dtype
+            if adjacent and last.untyped_storage()._cdata == host.untyped_storage()._cdata and \
+                    last.storage_offset() + last.numel() == host.storage_offset():
+                out[-1] = (last_offset, last.as_strided((last.numel() + host.numel(),), (1,), last.storage_offset()))
+                continue
+        out.append((offset, host))
+    return out

@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 
 from ..memory import GB, OPTIMIZERS, PLACEMENTS, PRECISIONS
 from ..trace import Trace
-from .viz import footprint_figure, timeline
+from .viz import footprint_figure, streamed_step, timeline
 
 
 def footprint_explorer(num_params: float = 7e9, gpu_gb: float = 80,
@@ -76,3 +76,33 @@ def timeline_explorer(trace: Trace, draw: Callable[..., Figure] = timeline) -> w
         control.observe(redraw, names="value")
     redraw()
     return widgets.VBox([widgets.HBox(list(toggles.values())), zoom, out])
+
+
+def streaming_explorer(work, hw, draw: Callable[..., Figure] = streamed_step) -> widgets.VBox:
+    """Sliders over `streamed_step` (or `draw`, same signature): prefetch depth, budget in blocks, the link's
+    GB/s, and where the weights live."""
+    controls = {
+        "prefetch": widgets.IntSlider(value=1, min=0, max=4, description="prefetch", continuous_update=False),
+        "budget_blocks": widgets.IntSlider(value=3, min=1, max=6, description="budget (blocks)",
+                                           continuous_update=False),
+        "link_gbps": widgets.FloatLogSlider(value=hw.link_h2d / GB, base=10, min=-1, max=3, step=0.05,
+                                            description="link GB/s", readout_format=".3g", continuous_update=False),
+        "params_on": widgets.Dropdown(options=["host", "nvme"], value="host", description="weights on"),
+    }
+    out = widgets.Output()
+
+    def redraw(_change=None) -> None:
+        values = {name: control.value for name, control in controls.items()}
+        link = values["link_gbps"] * GB
+        with out:
+            out.clear_output(wait=True)
+            fig = draw(work, hw.replace(link_h2d=link, link_d2h=link), values["prefetch"], values["budget_blocks"],
+                       values["params_on"])
+            display(fig)
+            plt.close(fig)
+
+    for control in controls.values():
+        control.observe(redraw, names="value")
+    redraw()
+    return widgets.VBox([widgets.HBox([controls["prefetch"], controls["budget_blocks"]]),
+                         widgets.HBox([controls["link_gbps"], controls["params_on"]]), out])

@@ -26,6 +26,8 @@ from . import (  # noqa: F401
     lab06_pipeline,
     lab07,
     lab07_hooks,
+    lab08,
+    lab08_fetch,
 )
 from .grading import GRADERS, MAX_FRAMES, Verdict, expect, grade, grader, learner_traceback, sim_device, task
 

@@ -5,11 +5,12 @@
     loss = model(x, y)[1]; loss.backward(); opt.step()                # every fetch and release happens in hooks
 
 Where a streamed weight lives between uses (`home`), always in the model's dtype:
-    host   pinned host memory, a tensor per parameter. With OffloadAdam on an fp32 model it is the optimizer's fp32
-           master itself (no second copy); on a 16-bit model it is the master rounded, a second host copy kept on
-           purpose: rounding at every fetch would put a CPU pass in front of every block, twice a step
-    nvme   a key per parameter in chapter 6's `Swapper`: a fetch reads the block into a pinned bounce buffer, then
-           copies it up; each optimizer step writes the rounded weights back
+    host   pinned host memory, one tensor per block. With OffloadAdam on an fp32 model it is the optimizer's fp32
+           master itself (no second copy: the block's copy is made from the master's runs); on a 16-bit model it is
+           the master rounded, a second host copy kept on purpose: rounding at every fetch would put a CPU pass in
+           front of every block, twice a step (bench/streaming.py measures it)
+    nvme   a key per block in chapter 6's `Swapper`: a fetch reads the block into a pinned bounce buffer, then copies
+           it up; each optimizer step writes the rounded weights back
 
 One block's life in a step (block i, prefetch depth k):
     forward pre-hook     it must be on the device: fetched now if it is not (the compute waits for its copies),
@@ -17,8 +18,10 @@ One block's life in a step (block i, prefetch depth k):
     forward hook         released, unless one of the next k uses needs it (the last blocks turn into the backward)
     its output's grad    its backward is next: fetched again (and the next k prefetched)
     its input's grad     its backward is done: released
-A release frees the storage but keeps the tensors (`dev.free_storage`), so the views of a weight autograd saved in
-the forward see the weights again when they come back: the backward reads what the forward read. A recomputed
+A block's parameters are views of one device storage, so it comes up in one allocation and one copy per home
+piece, and goes in one free. A release frees that storage but keeps the tensors (`dev.free_storage`), so the views
+of a weight autograd saved in the forward see the weights again when they come back: the backward reads what the
+forward read. A recomputed
 forward (chapter 7's recompute policies) runs inside the block's backward, when it is already on the device.
 
 The order of uses is recorded on the first pass (forward and backward) and prefetching follows it from then on; a

@@ -142,6 +142,60 @@ def add_step_parser(commands) -> argparse.ArgumentParser:
     return st
 
 
+def add_plan_parser(commands) -> argparse.ArgumentParser:
+    from . import profiles
+    from .models import GPTConfig
+    from .plan_types import PLAN_PRECISIONS
+
+    pl = commands.add_parser("plan", help="search the runtime's configurations for a model and a machine; print the "
+                             "best, why the others lose, and write the chosen plan as JSON",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    what = pl.add_mutually_exclusive_group()
+    what.add_argument("--params", type=parse_count, default=None, help="a GPT-3-family model of this size, e.g. 70B")
+    what.add_argument("--model", choices=GPTConfig.preset_names(), default=None,
+                      help="a course GPT (its plan runs with `train --plan`)")
+    pl.add_argument("--seq-len", type=int, default=None, help="context length (default: 2048, or the preset's)")
+    pl.add_argument("--batch", type=int, default=8, help="sequences per optimizer step (micro-batch x accumulation)")
+    pl.add_argument("--hardware", default="h100-sxm",
+                    help=f"a preset ({', '.join([*profiles.PRESETS, *profiles.PAPER_PRESETS])}) or 'sim' (this "
+                         "machine's simulated device, measured)")
+    pl.add_argument("--device-memory", type=_bytes, default=None, metavar="SIZE",
+                    help="device memory to plan for (default: the profile's; the sim's 4 GiB)")
+    pl.add_argument("--host-gb", type=float, default=None, help="host memory for pinned buffers, GB (default: the "
+                    "profile's share of the host)")
+    pl.add_argument("--nvme-gb", type=float, default=None, help="NVMe space, GB (default: unbounded; 0: no NVMe)")
+    pl.add_argument("--precision", choices=PLAN_PRECISIONS, default=None,
+                    help="default: mixed_bf16, or fp32 for a course GPT")
+    pl.add_argument("--mfu", type=float, default=0.4, help="model FLOP/s utilisation of forward and backward")
+    pl.add_argument("--top", type=int, default=6, help="plans to show, one per kind of configuration")
+    pl.add_argument("--out", default="plan.json", metavar="FILE", help="where the chosen plan goes")
+    pl.set_defaults(run=plan_command)
+    return pl
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    from . import plan as planner
+
+    hw, spec, limits = args.hardware_profile, args.spec, args.limits
+    capacity = limits.capacity(hw)
+    print(f"{spec} on {hw.name}, {limits.batch} sequences per step, {limits.precision}")
+    print("memory: " + ", ".join(f"{t} {memory.format_bytes(v)}" if v is not None else f"{t} unbounded"
+                                 for t, v in capacity.items()) + "\n")
+    plans = planner.search(spec, hw, limits)
+    shown = planner.best_per_family(plans)[:args.top]
+    print(planner.table(shown))
+    best = plans[0]
+    print(f"\nchosen: {best.describe()}; subgroups of {best.subgroup_numel:,} elements; activations by block: "
+          f"{best.activations_line()}")
+    if len(shown) > 1:
+        print("the others lose:")
+        for i, other in enumerate(shown[1:], 2):
+            print(f"  #{i}: {planner.why_slower(best, other)}")
+    print(f"\nwrote {best.save(args.out)} ({len(plans)} configurations fit); run a course GPT's plan with "
+          f"`python -m minioffload train --plan {args.out}`")
+    return 0
+
+
 def add_train_parser(commands) -> argparse.ArgumentParser:
     from . import options
     from .models import GPTConfig
@@ -178,6 +232,9 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
     tr.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between validation losses")
     tr.add_argument("--progress", action=argparse.BooleanOptionalAction, default=d.progress,
                     help="show a progress bar with loss and tokens/s")
+    tr.add_argument("--plan", default=None, metavar="FILE",
+                    help="run a plan written by `plan`: it sets the model, context, batch, accumulation, precision, "
+                         "offload, activations, homes, prefetch and optimizer options")
     options.add_flags(tr, d.optimizer)  # one flag per OffloadOptions field
     tr.set_defaults(run=train_command)
     return tr
@@ -213,7 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     hw.add_argument("--probe", action="store_true", help="measure this machine (about 5 s)")
     hw.set_defaults(run=hardware_command)
     st = add_step_parser(commands)
+    pl = add_plan_parser(commands)
     tr = add_train_parser(commands)
+    from .doctor import add_doctor_parser
+
+    add_doctor_parser(commands)
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("MINIOFFLOAD_DEBUG") == "1"
     if args.command == "footprint":
@@ -248,14 +309,19 @@ def main(argv: list[str] | None = None) -> int:
                                 ("mfu", "--mfu")):
                 message = re.sub(rf"^{field}\b", flag, message)
             st.error(message)
+    if args.command == "plan":
+        _check_plan_args(args, pl)
     if args.command == "train":
         from . import options
         from .train import TrainConfig, preflight
 
         option_names = {f.name for f in dataclasses.fields(options.OffloadOptions)}
-        fields = {k: v for k, v in vars(args).items() if k not in ("command", "run", "debug", *option_names)}
+        fields = {k: v for k, v in vars(args).items() if k not in ("command", "run", "debug", "plan", *option_names)}
         try:
-            args.config = TrainConfig(**fields, optimizer=options.from_flags(args))
+            if args.plan is not None:
+                args.config = _planned_config(args, tr, fields)
+            else:
+                args.config = TrainConfig(**fields, optimizer=options.from_flags(args))
             # the device, the context length, the directories: refused before anything runs; the run then writes
             # where the check looked
             args.config.out_dir = str(preflight(args.config)[0])
@@ -277,6 +343,71 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m minioffload {args.command}: error: {err}\n(python -m minioffload --debug "
               f"{args.command} ... shows the traceback)", file=sys.stderr)
         return 1
+
+
+def _check_plan_args(args: argparse.Namespace, pl: argparse.ArgumentParser) -> None:
+    """The plan command's inputs, refused before anything is measured or searched."""
+    from . import plan as planner
+    from . import profiles
+
+    if args.hardware == "sim":
+        hw = None  # measured below, once the rest is known to be right
+    else:
+        try:
+            hw = profiles.preset(args.hardware)
+        except ValueError as err:
+            pl.error(f"--hardware: {err}; or 'sim' for this machine")
+    for flag, value in (("--host-gb", args.host_gb), ("--nvme-gb", args.nvme_gb)):
+        if value is not None and not 0 <= value < math.inf:
+            pl.error(f"{flag} must be a number of GB >= 0, got {value}")
+    if args.host_gb == 0:
+        pl.error("--host-gb 0 leaves no host memory: every configuration needs some; give the GB it may use")
+    if args.top < 1:
+        pl.error(f"--top must be at least 1, got {args.top}")
+    try:
+        if args.model is not None:
+            args.spec = planner.ModelSpec.of_preset(args.model, args.seq_len)
+        else:
+            args.spec = planner.ModelSpec.of_params(args.params or 7e9, args.seq_len or 2048)
+        precision = args.precision or ("fp32" if args.model else "mixed_bf16")
+        args.limits = planner.Limits(
+            batch=args.batch, device_bytes=args.device_memory, precision=precision, mfu=args.mfu,
+            host_bytes=None if args.host_gb is None else args.host_gb * memory.GB,
+            nvme_bytes=None if args.nvme_gb is None else args.nvme_gb * memory.GB)
+    except ValueError as err:
+        pl.error(re.sub(r"^(batch|mfu|precision)\b", lambda m: "--" + m[1], str(err)))
+    if hw is None:
+        from .device_sim import SimDevice
+
+        hw = profiles.probe()
+        if args.device_memory is None:  # the sim device's own memory, not the host's
+            args.limits = dataclasses.replace(args.limits, device_bytes=SimDevice.DEFAULT_MEMORY)
+    args.hardware_profile = hw
+
+
+def _planned_config(args: argparse.Namespace, tr: argparse.ArgumentParser, fields: dict):
+    """`train --plan FILE`: the plan's configuration, with the flags the plan does not set."""
+    from . import options
+    from . import plan as planner
+    from .train import TrainConfig
+
+    try:
+        plan = planner.Plan.load(args.plan)
+    except ValueError as err:
+        tr.error(f"--plan: {err}")
+    planned = ("model", "block_size", "batch_size", "grad_accum", "precision", "offload", "activations", "params_on",
+               "prefetch")
+    defaults = TrainConfig()
+    clash = [name for name in planned if fields[name] != getattr(defaults, name)]
+    if options.from_flags(args) != defaults.optimizer:
+        clash.append("optimizer options (--subgroup-numel, --gpu-fraction, ...)")
+    if clash:
+        flags = [n if n.startswith("optimizer") else "--" + n.replace("_", "-") for n in clash]
+        tr.error(f"{', '.join(flags)}: set by --plan {args.plan}; drop the flag, or make another plan")
+    rest = {k: v for k, v in fields.items() if k not in planned}
+    if rest["device_memory"] is None and plan.capacity.get("device") and plan.hardware.endswith("(sim)"):
+        rest["device_memory"] = int(plan.capacity["device"])  # the sim device the plan was made for
+    return planner.train_config(plan, **rest)
 
 
 if __name__ == "__main__":

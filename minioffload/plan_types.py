@@ -120,6 +120,7 @@ class Plan:
     step_s: float = 0.0
     memory: dict = field(default_factory=dict)  # tier -> bytes: "device", "host" (pinned), "nvme"
     bound: str = ""  # the resource that sets the step's length (stepmodel.Prediction.bound)
+    busy: dict = field(default_factory=dict)  # lane -> predicted busy seconds per step (stepmodel's lanes)
     capacity: dict = field(default_factory=dict)  # tier -> bytes the plan was made for (None: unbounded)
 
     def __post_init__(self) -> None:
@@ -160,6 +161,16 @@ class Plan:
             knobs.append("delayed update")
         knobs.append(f"batch {self.micro_batch} x {self.grad_accum}")
         return ", ".join(knobs)
+
+    def activations_line(self) -> str:
+        """The policies block by block, runs folded: "recompute x3, keep x9"."""
+        runs: list[list] = []
+        for policy in self.activations:
+            if runs and runs[-1][0] == policy:
+                runs[-1][1] += 1
+            else:
+                runs.append([policy, 1])
+        return ", ".join(f"{p} x{n}" if n > 1 else p for p, n in runs)
 
     def memory_line(self) -> str:
         return ", ".join(f"{tier} {format_bytes(self.memory[tier])}" for tier in HOMES if tier in self.memory)

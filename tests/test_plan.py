@@ -1,0 +1,228 @@
+"""The planner: the exact solver against brute force, plans that fit by the calculator and on the sim, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from minioffload import memory, plan, profiles
+from minioffload.__main__ import main
+from minioffload.plan_milp import BRUTE_FORCE_LIMIT, Option, Problem, brute_force, solve
+from minioffload.plan_types import ModelSpec, Plan
+from minioffload.train import train
+from minioffload.units import GB, MiB
+
+
+def random_problem(rng: random.Random) -> Problem:
+    scale = rng.choice([1.0, 1e9])  # bytes near 1 and near a GB: the solver's tolerances must hold at both
+    options = tuple(Option(f"p{i}", scale * rng.choice([0, rng.uniform(0, 10)]),
+                           scale * rng.choice([0, rng.uniform(0, 5)]), rng.uniform(0, 2))
+                    for i in range(rng.randint(1, 5)))
+    groups = rng.randint(1, 6)
+    return Problem(rng.randint(1, 4), options, scale * rng.uniform(0, 30),
+                   rng.choice([math.inf, scale * rng.uniform(0, 10)]), groups, rng.randint(0, groups),
+                   scale * rng.uniform(0, 5), rng.uniform(0, 1), rng.uniform(0, 1), rng.random() < 0.5)
+
+
+def test_the_milp_finds_what_brute_force_finds():
+    rng = random.Random(0)
+    infeasible = 0
+    for _ in range(200):
+        problem = random_problem(rng)
+        exact, brute = solve(problem), brute_force(problem)
+        assert (exact is None) == (brute is None), problem
+        if exact is None:
+            infeasible += 1
+            continue
+        assert exact.objective == pytest.approx(brute.objective, rel=1e-6, abs=1e-9), problem
+        assert problem.fits(exact.counts, exact.resident)
+        assert sum(exact.counts.values()) == problem.num_blocks
+    assert 0 < infeasible < 200  # both kinds of case were tried
+
+
+def test_the_milp_trades_recompute_for_memory_and_the_split_for_time():
+    keep, recompute = Option("keep", 10.0, 0, 0.0), Option("recompute", 1.0, 0, 0.3)
+    roomy = Problem(4, (keep, recompute), device_budget=40.0)
+    assert solve(roomy).counts == {"keep": 4}
+    tight = Problem(4, (keep, recompute), device_budget=22.0)  # 2 keep + 2 recompute = 22
+    assert solve(tight).counts == {"keep": 2, "recompute": 2}
+    assert solve(Problem(4, (keep, recompute), device_budget=3.0)) is None
+    # the update: 4 subgroups, 1 s each on the CPU, 0.5 s on the device, each resident one costs 5 bytes
+    split = Problem(1, (recompute,), 100.0, subgroups=4, max_resident=4, resident_bytes=5.0, cpu_s=1.0, device_s=0.5)
+    assert solve(split).resident == 3  # max(1 x 1.0, 3 x 0.5) = 1.5 beats 2 (r=2) and 2 (r=4)
+    shared = Problem(1, (recompute,), 100.0, subgroups=4, max_resident=4, resident_bytes=5.0, cpu_s=1.0,
+                     device_s=0.5, shared=True)
+    assert solve(shared).resident == 4  # on one set of cores the times add: the faster path takes everything
+
+
+def test_brute_force_refuses_what_it_cannot_enumerate():
+    big = Problem(12, tuple(Option(f"p{i}", 1, 0, 1) for i in range(5)), 100.0)
+    assert 5 ** 12 > BRUTE_FORCE_LIMIT
+    with pytest.raises(ValueError, match="use solve"):
+        brute_force(big)
+
+
+SETUPS = [(ModelSpec.of_params(13e9), "h100-sxm", plan.Limits(batch=8, host_bytes=512 * GB)),
+          (ModelSpec.of_params(70e9, 4096), "gh200", plan.Limits(batch=4, nvme_bytes=4000 * GB)),
+          (ModelSpec.of_params(7e9), "rtx4090", plan.Limits(batch=4, nvme_bytes=2000 * GB)),
+          (ModelSpec.of_preset("small"), "laptop", plan.Limits(batch=8, device_bytes=24 * MiB, precision="fp32"))]
+
+
+@pytest.mark.parametrize("spec,hardware,limits", SETUPS, ids=[s[1] for s in SETUPS])
+def test_every_plan_fits_by_the_calculator(spec, hardware, limits):
+    hw = profiles.preset(hardware)
+    plans = plan.search(spec, hw, limits)
+    capacity = limits.capacity(hw)
+    assert plans == sorted(plans, key=lambda p: -p.tokens_per_s)
+    for p in plans:
+        for tier in ("device", "host", "nvme"):
+            assert capacity[tier] is None or p.memory[tier] <= capacity[tier], (p.describe(), tier)
+        # the calculator's own count of the weights, gradients and state the plan keeps on the device, plus the
+        # activations of its least-holding policy for every block: the plan claims no less
+        if p.optimizer_on == "device":
+            state = memory.footprint(p.precision, "adam", "device").bytes(spec.num_params, "device")
+        elif p.params_on == "device":
+            state = spec.num_params * (4 if p.precision == "fp32" else 2)
+        else:
+            state = memory.streamed_bytes(spec.num_params, spec.n_layer, spec.resident_params, p.params_on,
+                                          p.prefetch, p.precision)["device"]
+        assert p.memory["device"] >= state
+        if set(p.activations) == {"keep"}:
+            acts = memory.activation_bytes(spec.n_layer, spec.seq_len, p.micro_batch, spec.d_model, spec.n_head,
+                                           "keep", 4 if p.precision == "fp32" else 2)
+            assert p.memory["device"] >= state + acts
+        assert p.micro_batch * p.grad_accum == limits.batch
+        assert p.step_s > 0 and p.bound
+
+
+def test_streaming_and_the_nvme_tier_appear_only_when_needed():
+    hw = profiles.preset("h100-sxm")
+    small = plan.search(ModelSpec.of_params(1.3e9), hw, plan.Limits(batch=8))[0]
+    assert (small.optimizer_on, small.params_on) == ("device", "device")  # 1.3B fits an H100 whole
+    big = plan.search(ModelSpec.of_params(30e9), hw, plan.Limits(batch=8))[0]
+    assert big.optimizer_on == "nvme" or big.params_on != "device"
+    assert plan.search(ModelSpec.of_params(30e9), hw, plan.Limits(batch=8, nvme_bytes=0, host_bytes=1000 * GB))
+    assert all(p.optimizer_on != "nvme" and p.params_on != "nvme"
+               for p in plan.search(ModelSpec.of_params(13e9), hw, plan.Limits(batch=8, nvme_bytes=0)))
+
+
+def test_unified_memory_moves_the_optimum():
+    spec, limits = ModelSpec.of_params(7e9), plan.Limits(batch=8)
+    h200 = plan.search(spec, profiles.preset("h200"), limits)[0]
+    gh200 = plan.search(spec, profiles.preset("gh200"), limits)[0]
+    # on an H200 the 7B state fits the device; on GH200's 96 GB it does not, but its C2C link and 72 cores make
+    # the host's optimizer nearly as fast as the H200's own
+    assert h200.optimizer_on == "device" and gh200.optimizer_on == "host"
+    h100 = plan.search(spec, profiles.preset("h100-sxm"), limits)[0]
+    assert h100.optimizer_on == "host" and h100.step_s > 3 * gh200.step_s
+
+
+def test_a_model_that_fits_nowhere_is_named_with_the_bytes_missing():
+    with pytest.raises(plan.NoPlanError, match=r"GiB more host memory") as info:
+        plan.search(ModelSpec.of_params(70e9), profiles.preset("rtx4090"), plan.Limits(batch=8))
+    assert info.value.short["host"] > 100 * GB
+    with pytest.raises(plan.NoPlanError, match="more device memory"):
+        plan.search(ModelSpec.of_preset("small"), profiles.preset("laptop"),
+                    plan.Limits(batch=8, device_bytes=1 * MiB, precision="fp32"))
+
+
+@pytest.mark.parametrize("kwargs,match", [({"batch": 0}, "batch must be a positive int"),
+                                          ({"host_bytes": -1}, "host_bytes must be"),
+                                          ({"precision": "fp8"}, "precision must be one of"),
+                                          ({"batch": 8, "micro_batches": (3,)}, "must divide the batch"),
+                                          ({"mfu": 0}, "mfu must be in")])
+def test_impossible_limits_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan.Limits(**kwargs)
+
+
+def test_a_plan_survives_json_and_refuses_what_is_not_a_plan(tmp_path):
+    p = plan.search(ModelSpec.of_preset("tiny"), profiles.preset("laptop"), plan.Limits(batch=4, precision="fp32"))[0]
+    assert Plan.load(p.save(tmp_path / "p.json")) == p
+    (tmp_path / "bad.json").write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(ValueError, match="not a minioffload plan"):
+        Plan.load(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="no plan at"):
+        Plan.load(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="one policy of"):
+        Plan(ModelSpec.of_preset("tiny"), "laptop", "fp32", 1, 1, "host", "device", ("keep",))  # 2 blocks
+
+
+def test_fit_compute_recovers_a_line():
+    spec, hw = ModelSpec.of_preset("small"), profiles.preset("laptop")
+    per_sequence = 6 * spec.num_params * spec.seq_len / (0.3 * hw.peak_flops("fp32"))
+    measured = {m: spec.n_layer * 2e-3 + m * per_sequence for m in (1, 2, 4, 8)}
+    mfu, overhead = plan.fit_compute(measured, spec, hw, "fp32")
+    assert mfu == pytest.approx(0.3) and overhead == pytest.approx(2e-3)
+    with pytest.raises(ValueError, match="two micro-batch sizes"):
+        plan.fit_compute({4: 0.1}, spec, hw)
+
+
+def test_plans_run_on_the_sim_within_the_device_memory_they_predict(tmp_path):
+    spec = ModelSpec.of_preset("tiny")
+    hw = profiles.preset("laptop")
+    plans = plan.best_per_family(plan.search(spec, hw, plan.Limits(batch=4, device_bytes=2 * MiB, precision="fp32")))
+    kinds = {(p.optimizer_on, p.params_on) for p in plans}
+    assert {("host", "host"), ("host", "nvme"), ("nvme", "device")} <= kinds
+    for i, p in enumerate(plans):
+        config = plan.train_config(p, device="sim", steps=2, progress=False, device_memory=int(p.capacity["device"]),
+                                   out_dir=str(tmp_path / f"run{i}"), nvme_dir=str(tmp_path / f"nvme{i}"))
+        summary = train(config).summary
+        assert summary["device_peak_bytes"] <= p.memory["device"], p.describe()
+        assert math.isfinite(summary["final_train_loss"])
+
+
+def test_train_config_refuses_a_plan_it_cannot_run():
+    big = plan.search(ModelSpec.of_params(13e9), profiles.preset("h100-sxm"), plan.Limits(batch=8))[0]
+    with pytest.raises(ValueError, match="course's GPT presets"):
+        plan.train_config(big)
+    nvme = next(p for p in plan.search(ModelSpec.of_preset("tiny"), profiles.preset("laptop"),
+                                       plan.Limits(batch=4, precision="fp32")) if p.optimizer_on == "nvme")
+    with pytest.raises(ValueError, match="give nvme_dir"):
+        plan.train_config(nvme)
+
+
+def test_the_plan_command_prints_ranks_and_writes_a_plan_train_runs(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "tiny", "--hardware", "laptop", "--batch", "4", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "chosen:" in text and "the others lose:" in text and "x the step" in text
+    chosen = Plan.load(out)
+    assert chosen.model.preset == "tiny" and chosen.step_s > 0
+    assert main(["train", "--plan", str(out), "--device", "sim", "--steps", "2", "--no-progress",
+                 "--out-dir", str(tmp_path / "run"), "--nvme-dir", str(tmp_path / "nvme")]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["config"]["batch_size"] == chosen.micro_batch
+    assert summary["config"]["params_on"] == chosen.params_on
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["plan", "--hardware", "h100-node"], "unknown hardware preset 'h100-node'"),
+    (["plan", "--batch", "0"], "--batch must be a positive int"),
+    (["plan", "--host-gb", "-5"], "--host-gb must be a number of GB >= 0"),
+    (["plan", "--params", "70B", "--hardware", "rtx4090", "--nvme-gb", "0"], "more host memory"),
+])
+def test_the_plan_command_names_bad_input(argv, match, capsys):
+    code = None
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code not in (0, None)
+    assert match in capsys.readouterr().err
+
+
+def test_train_refuses_flags_the_plan_sets_and_plans_it_cannot_run(tmp_path, capsys):
+    small = tmp_path / "small.json"
+    main(["plan", "--model", "tiny", "--hardware", "laptop", "--batch", "4", "--nvme-gb", "0", "--out", str(small)])
+    with pytest.raises(SystemExit):
+        main(["train", "--plan", str(small), "--batch-size", "16"])
+    assert "--batch-size: set by --plan" in capsys.readouterr().err
+    big = tmp_path / "big.json"
+    main(["plan", "--params", "13B", "--out", str(big)])
+    with pytest.raises(SystemExit):
+        main(["train", "--plan", str(big), "--device", "sim", "--out-dir", str(tmp_path / "r")])
+    assert "course's GPT presets" in capsys.readouterr().err

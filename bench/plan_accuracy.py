@@ -1,11 +1,13 @@
 """The planner against the simulated device: for at least 8 of the plans it returns, predicted vs measured step time,
 and whether the plan it ranks first is the fastest when run.
 
-A course GPT on the sim device with a small device memory: `plan.search` with this machine's probed profile ranks
+A course GPT ('medium', 10M parameters, context 64) on the sim device with 64 MiB of device memory: `plan.search`
+with this machine's probed profile ranks
 every configuration; the best plan of each kind (where the optimizer and the weights live, delayed, hybrid) is run
 through `train` exactly as `python -m minioffload train --plan` runs it, for a few steps. One calibration, made in
-the same run: forward + backward alone at micro-batches of 1, 2, 4 and 8 sequences gives the model FLOP/s
-utilisation and the fixed time per block per micro-batch (plan.fit_compute); everything else is the profile's.
+the same run and through the same loop: torch's AdamW on the device at micro-batches of 1, 2, 4 and 8 sequences
+gives the FLOP/s forward and backward reach and the fixed time per block per micro-batch (plan.fit_compute); everything
+else is the profile's (profiles.probe, its drive measured where the runs write).
 
 Headline (bench/results/plan_accuracy.json), median of 3 runs with their spread:
     median_relative_error   median over the plans of |predicted - measured| / measured    (target <= 0.15)
@@ -22,10 +24,7 @@ import dataclasses
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,33 +32,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import stats, write  # noqa: E402
 
-from minioffload import models, plan, profiles  # noqa: E402
-from minioffload.device import device  # noqa: E402
-from minioffload.train import train  # noqa: E402
+from minioffload import plan, profiles  # noqa: E402
+from minioffload.train import TrainConfig, train  # noqa: E402
 from minioffload.units import MiB  # noqa: E402
 
-PRESET, BATCH, DEVICE_MEMORY, PRECISION = "small", 8, 24 * MiB, "fp32"
+PRESET, BLOCK, BATCH, DEVICE_MEMORY, PRECISION = "medium", 64, 8, 64 * MiB, "fp32"
 MICRO = (1, 2, 4, 8)
 
 
-def forward_backward_s(spec: plan.ModelSpec, micro_batch: int, reps: int) -> float:
-    """Median seconds of one forward and backward of the course GPT on the sim device, no optimizer."""
-    text = models.load_text()
-    tok = models.CharTokenizer(text)
-    data = torch.tensor(tok.encode(text))
-    torch.manual_seed(0)
-    with device("sim") as dev:
-        model = dev.place(models.GPT(models.GPTConfig.preset(spec.preset, tok.vocab_size, block_size=spec.seq_len)))
-        generator = torch.Generator().manual_seed(0)
-        times = []
-        for _ in range(reps + 1):  # the first warms up
-            x, y = models.batches(data, spec.seq_len, micro_batch, generator)
-            start = time.perf_counter()
-            model(x, y)[1].backward()
-            dev.synchronize()
-            times.append(time.perf_counter() - start)
-            model.zero_grad(set_to_none=True)
-    return statistics.median(times[1:])
+def calibrate(spec: plan.ModelSpec, steps: int, scratch: Path) -> tuple[float, float]:
+    """(FLOP/s, block_overhead_s) from `train` itself: the model with torch's AdamW on the sim device at each
+    micro-batch of MICRO; a step's forward, backward and loop work (summary: forward, backward, other) is a line in
+    the micro-batch whose slope gives the FLOP/s reached and whose intercept the per-micro-batch overhead."""
+    seconds = {}
+    for m in MICRO:
+        config = TrainConfig(model=spec.preset, block_size=spec.seq_len, batch_size=m, precision=PRECISION,
+                             offload=False, steps=steps, eval_every=10 * steps, progress=False,
+                             out_dir=str(scratch / f"calibrate{m}"))
+        summary = train(config).summary
+        seconds[m] = summary["forward_s"] + summary["backward_s"] + summary["other_s"]
+    return plan.fit_compute(seconds, spec)
 
 
 def chosen_plans(plans: list[plan.Plan], count: int) -> list[plan.Plan]:
@@ -77,13 +69,14 @@ def measure(p: plan.Plan, steps: int, scratch: Path, index: int) -> dict:
     return {"step_s": summary["step_median_s"], "device_peak_bytes": summary["device_peak_bytes"]}
 
 
-def one_run(steps: int, reps: int, count: int) -> tuple[list[dict], dict, profiles.Hardware, plan.Limits]:
+def one_run(steps: int, count: int) -> tuple[list[dict], dict, profiles.Hardware, plan.Limits]:
     profiles.probe.cache_clear()  # each run measures its own figures, the drive where the runs write
     scratch = tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parents[1] / ".cache")
     hw = profiles.probe(nvme_dir=scratch.name)
-    spec = plan.ModelSpec.of_preset(PRESET)
-    mfu, overhead = plan.fit_compute({m: forward_backward_s(spec, m, reps) for m in MICRO}, spec, hw, PRECISION)
-    limits = plan.Limits(batch=BATCH, device_bytes=DEVICE_MEMORY, precision=PRECISION, mfu=mfu,
+    spec = plan.ModelSpec.of_preset(PRESET, BLOCK)
+    flops, overhead = calibrate(spec, steps, Path(scratch.name))
+    hw = hw.replace(peak_flops_fp32=flops)  # what forward and backward reach here, used at mfu 1
+    limits = plan.Limits(batch=BATCH, device_bytes=DEVICE_MEMORY, precision=PRECISION, mfu=1.0,
                          block_overhead_s=overhead)
     ranked = plan.search(spec, hw, limits)
     picked = chosen_plans(ranked, count)
@@ -101,7 +94,7 @@ def one_run(steps: int, reps: int, count: int) -> tuple[list[dict], dict, profil
     headline = {"median_relative_error": statistics.median(r["relative_error"] for r in rows),
                 "chosen_plan_gap": first["measured_s"] / fastest,
                 "device_within_plan": all(r["device_peak_bytes"] <= r["device_predicted_bytes"] for r in rows),
-                "plans": len(rows), "calibrated_mfu": mfu, "calibrated_block_overhead_s": overhead}
+                "plans": len(rows), "calibrated_flops": flops, "calibrated_block_overhead_s": overhead}
     return rows, headline, hw, limits
 
 
@@ -111,17 +104,17 @@ def main() -> int:
     parser.add_argument("--runs", type=common.positive(int), default=3,
                         help="independent runs; the headline is their median")
     args = parser.parse_args()
-    steps, reps, count, runs = (4, 3, 8, 1) if args.quick else (8, 7, 10, args.runs)
-    results = [one_run(steps, reps, count) for _ in range(runs)]
+    steps, count, runs = (4, 8, 1) if args.quick else (7, 10, args.runs)
+    results = [one_run(steps, count) for _ in range(runs)]
     rows, _, hw, limits = sorted(results, key=lambda r: r[1]["median_relative_error"])[len(results) // 2]
-    print(f"planner vs the sim device: GPT '{PRESET}', batch {BATCH}, device {DEVICE_MEMORY / MiB:.0f} MiB, "
-          f"{steps} steps per plan, {runs} run(s); the median run's rows:")
+    print(f"planner vs the sim device: GPT '{PRESET}' (context {BLOCK}), batch {BATCH}, "
+          f"device {DEVICE_MEMORY / MiB:.0f} MiB, {steps} steps per plan, {runs} run(s); the median run's rows:")
     print(f"{'rank':>4} {'predicted ms':>12} {'measured ms':>11} {'ratio':>6}  plan")
     for r in rows:
         print(f"{r['rank']:>4} {r['predicted_s'] * 1e3:>12.1f} {r['measured_s'] * 1e3:>11.1f} {r['ratio']:>6.2f}  "
               f"{r['plan']}")
     per_run = [h for _, h, _, _ in results]
-    keys = ("median_relative_error", "chosen_plan_gap", "calibrated_mfu", "calibrated_block_overhead_s")
+    keys = ("median_relative_error", "chosen_plan_gap", "calibrated_flops", "calibrated_block_overhead_s")
     spread = {k: stats([h[k] for h in per_run]) for k in keys}
     headline = {"median_relative_error": spread["median_relative_error"]["median"],
                 "chosen_plan_gap": spread["chosen_plan_gap"]["median"],
@@ -135,7 +128,8 @@ def main() -> int:
           f"(runs: {each('median_relative_error')}), chosen_plan_gap={headline['chosen_plan_gap']:.3f} "
           f"(runs: {each('chosen_plan_gap')}), "
           f"device within plan: {headline['device_within_plan']}")
-    config = {"preset": PRESET, "batch": BATCH, "device_memory": DEVICE_MEMORY, "precision": PRECISION,
+    config = {"preset": PRESET, "block_size": BLOCK, "batch": BATCH, "device_memory": DEVICE_MEMORY,
+              "precision": PRECISION,
               "steps": steps, "quick": args.quick, "limits": dataclasses.asdict(limits),
               "profile": {r["figure"]: r["value"] for r in hw.table()}}
     print(f"wrote {write('plan_accuracy', rows, headline, config)}")

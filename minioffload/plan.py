@@ -13,7 +13,8 @@ policy and how many subgroups are updated on the device, within the device and p
 candidate is then predicted by stepmodel, and its bytes per tier counted by memory.py's functions:
 
     device   the weights (all, or the streamed window), the engine's device state, the activations held
-             (each block's policy, plus one block's full set in backward), the logits and their gradient
+             (each block's policy, one block's full set in backward, and with an offload policy one block's set
+             on its way to the host), the logits and their gradient
     host     OffloadAdam's pinned bytes (memory.engine_bytes / streamed_bytes), the offloaded activations
     nvme     the swapper's files and the streamed weights' home
 
@@ -165,8 +166,10 @@ def _problem(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capacit
     value_bytes = 4 if limits.precision == "fp32" else 2
     block = BlockShape(model.seq_len, c.micro_batch, model.d_model, model.n_head, value_bytes)
     costs = policy_costs(block, hw, limits.mfu)
+    # an offloaded set waits on the device until its copy is done: the next block's forward runs beside it
     options = tuple(Option(p, costs[p].device_bytes, costs[p].link_bytes if p.startswith("offload") else 0,
-                           costs[p].extra_s * accum) for p in POLICY_ORDER)
+                           costs[p].extra_s * accum, costs[p].link_bytes if p.startswith("offload") else 0)
+                    for p in POLICY_ORDER)
     fixed = block.saved_bytes() + LOGIT_BYTES * c.micro_batch * model.seq_len * model.vocab
     host = math.inf if capacity["host"] is None else capacity["host"] - base["host"]
     sizes = pack_sizes(tensor_numels(model), c.subgroup_numel)
@@ -190,10 +193,10 @@ def _compute_s(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits) -> fl
     return flops / (hw.peak_flops(limits.precision) * limits.mfu) + model.n_layer * limits.block_overhead_s
 
 
-def fit_compute(seconds: dict[int, float], model: ModelSpec, hw: Hardware, precision: str = "mixed_bf16"
-                ) -> tuple[float, float]:
-    """(mfu, block_overhead_s) from measured forward + backward seconds per micro-batch size ({micro_batch:
-    seconds}, at least two sizes): a least-squares line, seconds = overhead + per_sequence x micro_batch."""
+def fit_compute(seconds: dict[int, float], model: ModelSpec) -> tuple[float, float]:
+    """(FLOP/s, block_overhead_s) from measured forward + backward seconds per micro-batch size ({micro_batch:
+    seconds}, two sizes or more): a least-squares line, seconds = overhead + micro_batch x per_sequence. The FLOP/s
+    is what forward and backward reach: set it as the profile's peak with mfu 1, or divide by the peak for mfu."""
     if len(seconds) < 2:
         raise ValueError(f"fit_compute needs forward+backward times at two micro-batch sizes or more, got "
                          f"{sorted(seconds)}")
@@ -204,8 +207,7 @@ def fit_compute(seconds: dict[int, float], model: ModelSpec, hw: Hardware, preci
     if slope <= 0:
         raise ValueError(f"forward+backward did not grow with the micro-batch ({seconds}): measure on a quieter "
                          "machine or with larger micro-batches")
-    mfu = 6 * model.num_params * model.seq_len / (slope * hw.peak_flops(precision))
-    return min(mfu, 1.0), max(intercept, 0.0) / model.n_layer
+    return 6 * model.num_params * model.seq_len / slope, max(float(intercept), 0.0) / model.n_layer
 
 
 def _accumulation_s(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits) -> float:
@@ -232,7 +234,7 @@ def _evaluate(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capaci
     accum = limits.batch // c.micro_batch
     base = _state_bytes(model, c, limits.precision)
     problem, fixed = _problem(model, hw, c, limits, capacity, base, accum)
-    lightest = min(o.device_bytes for o in problem.options) * model.n_layer
+    lightest = min(o.device_bytes * model.n_layer + o.in_flight_bytes for o in problem.options)
     short = {"device": base["device"] + fixed + lightest - capacity["device"],
              "host": base["host"] - capacity["host"] if capacity["host"] is not None else -1.0,
              "nvme": base["nvme"] - capacity["nvme"] if capacity["nvme"] is not None else -1.0}
@@ -248,7 +250,7 @@ def _evaluate(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capaci
         base = memory.engine_bytes(tensor_numels(model), limits.precision, c.subgroup_numel,
                                    gpu_fraction=gpu_fraction)
     policies = solution.policies(POLICY_ORDER)
-    held = sum(o.device_bytes * solution.counts.get(o.name, 0) for o in problem.options)
+    held = problem.device_bytes(solution.counts, 0)
     offloaded = sum(o.host_bytes * solution.counts.get(o.name, 0) for o in problem.options)
     work = stepmodel.Workload(model.num_params, c.micro_batch * model.seq_len, limits.precision, model.num_tensors,
                               False, model.n_layer, model.resident_params)
@@ -266,6 +268,17 @@ def _evaluate(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capaci
                 c.prefetch, c.subgroup_numel, c.delay, gpu_fraction, step_s, {k: round(v) for k, v in used.items()},
                 prediction.bound, busy, dict(capacity))
     return plan, {}
+
+
+def prediction(p: Plan, hw: Hardware, limits: Limits | None = None) -> stepmodel.Prediction:
+    """stepmodel's prediction of one micro-batch's step of plan `p` (its timeline, for a figure beside a measured
+    trace); `p.step_s` adds the policies' time and the other micro-batches to it."""
+    limits = limits or Limits(batch=p.micro_batch * p.grad_accum, precision=p.precision)
+    c = _Config(p.optimizer_on, p.params_on, p.prefetch, p.delay, p.gpu_fraction is not None, p.subgroup_numel,
+                p.micro_batch)
+    work = stepmodel.Workload(p.model.num_params, p.micro_batch * p.model.seq_len, p.precision, p.model.num_tensors,
+                              False, p.model.n_layer, p.model.resident_params)
+    return stepmodel.predict(work, hw, _step_config(c, limits.mfu, p.gpu_fraction))
 
 
 def search(model: ModelSpec, hw: Hardware, limits: Limits | None = None,
@@ -389,5 +402,5 @@ def train_config(plan: Plan, **overrides):
                        params_on=plan.params_on, prefetch=plan.prefetch, **overrides)
 
 
-__all__ = ["Limits", "ModelSpec", "NoPlanError", "Plan", "POLICIES", "best_per_family", "search", "table",
-           "train_config", "why_slower"]
+__all__ = ["Limits", "ModelSpec", "NoPlanError", "Plan", "POLICIES", "best_per_family", "fit_compute", "prediction",
+           "search", "table", "train_config", "why_slower"]

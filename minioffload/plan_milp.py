@@ -41,6 +41,7 @@ class Option:
     device_bytes: float
     host_bytes: float
     extra_s: float
+    in_flight_bytes: float = 0.0  # device bytes held once when any block takes it (a copy on its way to the host)
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,13 @@ class Problem:
         extra = sum(o.extra_s * counts.get(o.name, 0) for o in self.options)
         return extra + self.update_s(resident)
 
+    def device_bytes(self, counts: dict[str, int], resident: int) -> float:
+        held = sum(o.device_bytes * counts.get(o.name, 0) + o.in_flight_bytes * bool(counts.get(o.name))
+                   for o in self.options)
+        return held + resident * self.resident_bytes
+
     def fits(self, counts: dict[str, int], resident: int) -> bool:
-        device = sum(o.device_bytes * counts.get(o.name, 0) for o in self.options) + resident * self.resident_bytes
+        device = self.device_bytes(counts, resident)
         host = sum(o.host_bytes * counts.get(o.name, 0) for o in self.options)
         return device <= self.device_budget * (1 + 1e-9) and host <= self.host_budget * (1 + 1e-9)
 
@@ -93,44 +99,53 @@ def solve(problem: Problem) -> Solution | None:
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     opts, n = problem.options, len(problem.options)
-    # variables: n_p (one per option), r, t
-    c = np.array([o.extra_s for o in opts] + [0.0, 1.0])
+    # variables: n_p (one per option), z_p (one per option), r, t
+    c = np.array([o.extra_s for o in opts] + [0.0] * n + [0.0, 1.0])
     rows, lo, hi = [], [], []
-    rows.append([1.0] * n + [0.0, 0.0])
+
+    def row(counts, flags=None, resident=0.0, t=0.0):
+        return list(counts) + list(flags or [0.0] * n) + [resident, t]
+
+    rows.append(row([1.0] * n))
     lo.append(problem.num_blocks)
     hi.append(problem.num_blocks)
+    for p in range(n):  # n_p - L z_p <= 0
+        rows.append(row([1.0 * (q == p) for q in range(n)], [-problem.num_blocks * (q == p) for q in range(n)]))
+        lo.append(-np.inf)
+        hi.append(0.0)
     # memory rows are divided by their largest number, so HiGHS's absolute tolerances (1e-7) are relative here
-    device = [o.device_bytes for o in opts] + [problem.resident_bytes, 0.0]
+    device = row([o.device_bytes for o in opts], [o.in_flight_bytes for o in opts], problem.resident_bytes)
     scale = max(*device, problem.device_budget, 1.0)
     rows.append([v / scale for v in device])
     lo.append(-np.inf)
     hi.append(problem.device_budget / scale)
     if math.isfinite(problem.host_budget):
-        host = [o.host_bytes for o in opts] + [0.0, 0.0]
+        host = row([o.host_bytes for o in opts])
         scale = max(*host, problem.host_budget, 1.0)
         rows.append([v / scale for v in host])
         lo.append(-np.inf)
         hi.append(problem.host_budget / scale)
     g = problem.subgroups
     if problem.shared:  # t - (G - r) cpu_s - r device_s >= 0
-        rows.append([0.0] * n + [problem.cpu_s - problem.device_s, 1.0])
+        rows.append(row([0.0] * n, None, problem.cpu_s - problem.device_s, 1.0))
         lo.append(g * problem.cpu_s)
         hi.append(np.inf)
     else:
-        rows.append([0.0] * n + [problem.cpu_s, 1.0])  # t + r cpu_s >= G cpu_s
+        rows.append(row([0.0] * n, None, problem.cpu_s, 1.0))  # t + r cpu_s >= G cpu_s
         lo.append(g * problem.cpu_s)
         hi.append(np.inf)
-        rows.append([0.0] * n + [-problem.device_s, 1.0])  # t - r device_s >= 0
+        rows.append(row([0.0] * n, None, -problem.device_s, 1.0))  # t - r device_s >= 0
         lo.append(0.0)
         hi.append(np.inf)
-    bounds = Bounds([0.0] * n + [0.0, 0.0], [problem.num_blocks] * n + [problem.max_resident, np.inf])
-    integrality = np.array([1] * (n + 1) + [0])
+    bounds = Bounds([0.0] * (2 * n) + [0.0, 0.0],
+                    [problem.num_blocks] * n + [1.0] * n + [problem.max_resident, np.inf])
+    integrality = np.array([1] * (2 * n + 1) + [0])
     result = milp(c, constraints=LinearConstraint(np.array(rows), lo, hi), bounds=bounds, integrality=integrality)
     if result.status != 0 or result.x is None:  # 2: infeasible
         return None
-    x = np.round(result.x[:n + 1]).astype(int)
+    x = np.round(result.x).astype(int)
     counts = {o.name: int(k) for o, k in zip(opts, x[:n], strict=True) if k}
-    resident = int(x[n])
+    resident = int(x[2 * n])
     if not problem.fits(counts, resident):  # rounding pushed it over: refuse rather than return a misfit
         return None
     return Solution(counts, resident, problem.objective(counts, resident))

@@ -19,7 +19,8 @@ from minioffload.units import GB, MiB
 def random_problem(rng: random.Random) -> Problem:
     scale = rng.choice([1.0, 1e9])  # bytes near 1 and near a GB: the solver's tolerances must hold at both
     options = tuple(Option(f"p{i}", scale * rng.choice([0, rng.uniform(0, 10)]),
-                           scale * rng.choice([0, rng.uniform(0, 5)]), rng.uniform(0, 2))
+                           scale * rng.choice([0, rng.uniform(0, 5)]), rng.uniform(0, 2),
+                           scale * rng.choice([0, 0, rng.uniform(0, 8)]))
                     for i in range(rng.randint(1, 5)))
     groups = rng.randint(1, 6)
     return Problem(rng.randint(1, 4), options, scale * rng.uniform(0, 30),
@@ -56,6 +57,15 @@ def test_the_milp_trades_recompute_for_memory_and_the_split_for_time():
     shared = Problem(1, (recompute,), 100.0, subgroups=4, max_resident=4, resident_bytes=5.0, cpu_s=1.0,
                      device_s=0.5, shared=True)
     assert solve(shared).resident == 4  # on one set of cores the times add: the faster path takes everything
+
+
+def test_a_policy_in_use_pays_its_copy_in_flight_once():
+    keep, offload = Option("keep", 10.0, 0, 0.0), Option("offload", 0.0, 10.0, 0.1, in_flight_bytes=10.0)
+    # 4 blocks in 30 bytes: keeping three and offloading one needs 30 + 10 in flight; two and two, 20 + 10
+    best = solve(Problem(4, (keep, offload), device_budget=30.0))
+    assert best.counts == {"keep": 2, "offload": 2}
+    assert brute_force(Problem(4, (keep, offload), device_budget=30.0)).objective == pytest.approx(best.objective)
+    assert solve(Problem(4, (keep, offload), device_budget=9.0)) is None  # offloading all still holds one in flight
 
 
 def test_brute_force_refuses_what_it_cannot_enumerate():
@@ -155,10 +165,10 @@ def test_fit_compute_recovers_a_line():
     spec, hw = ModelSpec.of_preset("small"), profiles.preset("laptop")
     per_sequence = 6 * spec.num_params * spec.seq_len / (0.3 * hw.peak_flops("fp32"))
     measured = {m: spec.n_layer * 2e-3 + m * per_sequence for m in (1, 2, 4, 8)}
-    mfu, overhead = plan.fit_compute(measured, spec, hw, "fp32")
-    assert mfu == pytest.approx(0.3) and overhead == pytest.approx(2e-3)
+    flops, overhead = plan.fit_compute(measured, spec)
+    assert flops / hw.peak_flops("fp32") == pytest.approx(0.3) and overhead == pytest.approx(2e-3)
     with pytest.raises(ValueError, match="two micro-batch sizes"):
-        plan.fit_compute({4: 0.1}, spec, hw)
+        plan.fit_compute({4: 0.1}, spec)
 
 
 def test_plans_run_on_the_sim_within_the_device_memory_they_predict(tmp_path):

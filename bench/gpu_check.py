@@ -1,4 +1,5 @@
-"""Everything that needs a GPU, in one go, within 5 minutes: the `gpu` tests and the GPU benchmarks in --quick mode.
+"""Everything that needs a GPU, in one go, within 6 minutes: the `gpu` tests, `doctor` on the machine (CUDA seen,
+locked-memory limit, host memory) and the GPU benchmarks in --quick mode.
 
     python bench/gpu_check.py            # on a CUDA machine; writes $OUT (or bench/results/gpu/)
     python bench/gpu_check.py --dry-run  # on a CPU machine: what it would run, the files, the budget
@@ -24,8 +25,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGET_S = 5 * 60
+BUDGET_S = 6 * 60
 TEST_LIMIT_S = 90
+DOCTOR_LIMIT_S = 30
 # benchmark -> time limit (s): the GPU ones, in --quick sizes that fit a 16-core, 128 GB machine
 BENCHES = {"copy_bandwidth": 40, "offload_step": 75, "hybrid": 90}
 
@@ -70,7 +72,8 @@ def run_step(name: str, argv: list[str], limit_s: float) -> dict:
 
 def plan(cuda: bool) -> list[tuple[str, list[str], float]]:
     steps = [("gpu tests", [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "gpu", "-q",
-                            *gpu_test_files()], TEST_LIMIT_S)]
+                            *gpu_test_files()], TEST_LIMIT_S),
+             ("doctor", [sys.executable, "-m", "minioffload", "doctor", "--no-measure"], DOCTOR_LIMIT_S)]
     if cuda:
         steps += [(name, [sys.executable, str(ROOT / "bench" / f"{name}.py"), "--quick"], limit)
                   for name, limit in BENCHES.items()]

@@ -21,9 +21,9 @@ def test_only_files_with_gpu_tests_are_collected():
 def test_the_plan_fits_the_budget_and_runs_only_gpu_benchmarks():
     steps = gpu_check.plan(cuda=True)
     assert sum(limit for _, _, limit in steps) <= gpu_check.BUDGET_S
-    benches = [Path(argv[1]).stem for name, argv, _ in steps if name != "gpu tests"]
+    benches = [Path(argv[1]).stem for name, argv, _ in steps if name not in ("gpu tests", "doctor")]
     assert benches == list(gpu_check.BENCHES) and "adam" not in benches and "step_model" not in benches
-    assert all("--quick" in argv for name, argv, _ in steps if name != "gpu tests")
+    assert all("--quick" in argv for name, argv, _ in steps if name not in ("gpu tests", "doctor"))
 
 
 def test_a_dry_run_writes_two_files_and_decodes_a_timeout(tmp_path):
@@ -33,7 +33,8 @@ def test_a_dry_run_writes_two_files_and_decodes_a_timeout(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "gpu_check.log"]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert {row["step"] for row in report["steps"]} == {"gpu tests", *gpu_check.BENCHES}
+    assert {row["step"] for row in report["steps"]} == {"gpu tests", "doctor", *gpu_check.BENCHES}
+    assert next(r for r in report["steps"] if r["step"] == "doctor")["exit"] == 0
     row = gpu_check.run_step("sleeper", [sys.executable, "-c", "print('started', flush=True); "
                                          "import time; time.sleep(30)"], limit_s=2)
     assert row["exit"] == "timeout" and "b'" not in row["output"] and "started" in row["output"]

@@ -169,6 +169,9 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
     pl.add_argument("--mfu", type=float, default=0.4, help="model FLOP/s utilisation of forward and backward")
     pl.add_argument("--top", type=int, default=6, help="plans to show, one per kind of configuration")
     pl.add_argument("--out", default="plan.json", metavar="FILE", help="where the chosen plan goes")
+    pl.add_argument("--export", default=None, metavar="DIR",
+                    help="also write the chosen plan for other systems: DIR/deepspeed.json, DIR/fsdp2_plan.py, "
+                         "DIR/torchao_plan.py, each listing what that system cannot express")
     pl.set_defaults(run=plan_command)
     return pl
 
@@ -193,6 +196,21 @@ def plan_command(args: argparse.Namespace) -> int:
             print(f"  #{i}: {planner.why_slower(best, other)}")
     print(f"\nwrote {best.save(args.out)} ({len(plans)} configurations fit); run a course GPT's plan with "
           f"`python -m minioffload train --plan {args.out}`")
+    if args.export:
+        import json
+        from pathlib import Path
+
+        from . import export
+
+        out = Path(args.export)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "deepspeed.json").write_text(json.dumps(export.to_deepspeed_config(best), indent=2) + "\n")
+        (out / "fsdp2_plan.py").write_text(export.to_fsdp2_code(best))
+        (out / "torchao_plan.py").write_text(export.to_torchao_code(best))
+        for system in ("deepspeed", "fsdp2", "torchao"):
+            gaps = export.unsupported(best, system)
+            print(f"{system}: {len(gaps)} choice(s) it cannot express" + (f" (first: {gaps[0]})" if gaps else ""))
+        print(f"wrote {out}/deepspeed.json, fsdp2_plan.py, torchao_plan.py")
     return 0
 
 

@@ -28,6 +28,9 @@ from . import (  # noqa: F401
     lab07_hooks,
     lab08,
     lab08_fetch,
+    lab09,
+    lab09_objective,
+    lab09_search,
 )
 from .grading import GRADERS, MAX_FRAMES, Verdict, expect, grade, grader, learner_traceback, sim_device, task
 

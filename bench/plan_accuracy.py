@@ -42,15 +42,15 @@ MICRO = (1, 2, 4, 8)
 
 def calibrate(spec: plan.ModelSpec, steps: int, scratch: Path) -> tuple[float, float]:
     """(FLOP/s, block_overhead_s) from `train` itself: the model with torch's AdamW on the sim device at each
-    micro-batch of MICRO; a step's forward, backward and loop work (summary: forward, backward, other) is a line in
-    the micro-batch whose slope gives the FLOP/s reached and whose intercept the per-micro-batch overhead."""
+    micro-batch of MICRO; a step less its update (the median step, less the mean device AdamW) is a line in the
+    micro-batch whose slope gives the FLOP/s reached and whose intercept the per-micro-batch overhead."""
     seconds = {}
     for m in MICRO:
         config = TrainConfig(model=spec.preset, block_size=spec.seq_len, batch_size=m, precision=PRECISION,
                              offload=False, steps=steps, eval_every=10 * steps, progress=False,
                              out_dir=str(scratch / f"calibrate{m}"))
         summary = train(config).summary
-        seconds[m] = summary["forward_s"] + summary["backward_s"] + summary["other_s"]
+        seconds[m] = summary["step_median_s"] - summary["device_update_s"]  # a median: robust to a stalled step
     return plan.fit_compute(seconds, spec)
 
 

@@ -7,7 +7,8 @@ model's tokens per second.
     train(train_config(plans[0]))                            # a course GPT's plan runs as it was planned
 
 The search enumerates where the optimizer lives (device: torch's AdamW; host: OffloadAdam; nvme: its NVMe tier),
-where the blocks' weights live (resident, or streamed from host or NVMe), the prefetch depth, the delayed update,
+where the blocks' weights live (resident, or streamed from host, or from NVMe with the optimizer there too, as train
+runs it), the prefetch depth, the delayed update,
 the subgroup size and the micro-batch. For each, plan_milp solves exactly how many blocks take each activation
 policy and how many subgroups are updated on the device, within the device and pinned host memory left; the
 candidate is then predicted by stepmodel, and its bytes per tier counted by memory.py's functions:
@@ -130,8 +131,8 @@ def _configs(model: ModelSpec, limits: Limits, capacity) -> list[_Config]:
         if optimizer_on == "nvme" and not nvme_ok:
             continue
         for params_on in (("device",) if optimizer_on == "device" else HOMES):
-            if params_on == "nvme" and not nvme_ok:
-                continue
+            if params_on == "nvme" and (not nvme_ok or optimizer_on == "host"):
+                continue  # train keeps the optimizer's state in the same NVMe directory as the weights
             depths = PREFETCH_DEPTHS if params_on != "device" else (0,)
             resident_offload = optimizer_on == "host" and params_on == "device"
             for delay, hybrid in ((False, False), (True, False), (False, True)) if resident_offload else \
@@ -264,9 +265,10 @@ def _evaluate(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capaci
         busy["d2h"] = busy.get("d2h", 0.0) + (accum - 1) * model.num_params * (2 if limits.precision != "fp32" else 4) \
             / hw.link_d2h
     used = {"device": base["device"] + held + fixed, "host": base["host"] + offloaded, "nvme": base["nvme"]}
+    bound = prediction.bound if accum == 1 else max(busy, key=busy.get)  # the other micro-batches' lanes count
     plan = Plan(model, name, limits.precision, c.micro_batch, accum, c.optimizer_on, c.params_on, policies,
                 c.prefetch, c.subgroup_numel, c.delay, gpu_fraction, step_s, {k: round(v) for k, v in used.items()},
-                prediction.bound, busy, dict(capacity))
+                bound, busy, dict(capacity))
     return plan, {}
 
 

@@ -10,12 +10,13 @@ it a check. With r subgroups of the optimizer updated on the device (chapter 5's
 update's length:
 
     minimise   sum_p n_p extra_p + t
-    subject to sum_p n_p = L
-               sum_p n_p device_p + r resident_bytes <= device_budget     (activations held, resident state)
+    subject to sum_p n_p = L,  n_p <= L z_p                               (z_p = 1: some block takes policy p)
+               sum_p (n_p device_p + z_p in_flight_p) + r resident_bytes <= device_budget
+                                                   (activations held, a set on its way out once, resident state)
                sum_p n_p host_p <= host_budget                            (offloaded activations, pinned)
                t >= (G - r) cpu_s,  t >= r device_s                       (the two updates overlap) or, when the
                t >= (G - r) cpu_s + r device_s                            device computes on the CPU's cores (sim)
-               0 <= r <= max_resident, n_p >= 0 integers
+               0 <= r <= max_resident, n_p >= 0 integers, z_p binary
 
 What this is not: the step model. The program's times are a linear stand-in for what stepmodel.predict schedules;
 plan.py ranks the candidates the program returns by stepmodel's predictions.

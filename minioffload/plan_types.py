@@ -155,6 +155,8 @@ class Plan:
                  f"grads {self.gradients_on}", f"optimizer {self.optimizer_on}",
                  f"activations {'/'.join(acts)}" + (f" ({self.activations.count(acts[0])}/{len(self.activations)})"
                                                     if len(acts) > 1 else "")]
+        if self.optimizer_on != "device":
+            knobs.append(f"subgroups of {self.subgroup_numel / 2 ** 20:g}M")
         if self.gpu_fraction:
             knobs.append(f"gpu_fraction {self.gpu_fraction:.2f}")
         if self.delay:

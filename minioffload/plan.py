@@ -265,7 +265,13 @@ def _evaluate(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capaci
         busy["d2h"] = busy.get("d2h", 0.0) + (accum - 1) * model.num_params * (2 if limits.precision != "fp32" else 4) \
             / hw.link_d2h
     used = {"device": base["device"] + held + fixed, "host": base["host"] + offloaded, "nvme": base["nvme"]}
-    bound = prediction.bound if accum == 1 else max(busy, key=busy.get)  # the other micro-batches' lanes count
+    bound = prediction.bound
+    if accum > 1:  # the other micro-batches' lanes count: the busiest resource (stepmodel's: one drive, one host)
+        per_resource: dict[str, float] = {}
+        for lane, seconds in busy.items():
+            resource = stepmodel.resource_of(lane, hw)
+            per_resource[resource] = per_resource.get(resource, 0.0) + seconds
+        bound = max(per_resource, key=per_resource.get)
     plan = Plan(model, name, limits.precision, c.micro_batch, accum, c.optimizer_on, c.params_on, policies,
                 c.prefetch, c.subgroup_numel, c.delay, gpu_fraction, step_s, {k: round(v) for k, v in used.items()},
                 bound, busy, dict(capacity))

@@ -162,7 +162,8 @@ class StepConfig:
                    options.max_grad_norm is not None, mfu, params_on, prefetch)
 
 
-def _resource(lane: str, hw: Hardware) -> str:
+def resource_of(lane: str, hw: Hardware) -> str:
+    """The resource a lane's work occupies on `hw` (lanes that share one are added up, not overlapped)."""
     if lane in ("nvme_read", "nvme_write"):
         return "nvme"  # one drive: reads and writes share it
     if hw.shared_host and lane in ("compute", "cpu"):
@@ -392,7 +393,7 @@ def predict(work: Workload, hw: Hardware, config: StepConfig | None = None, step
         first_op_of_last_step = len(builder.plan.ops)
         after = builder.step(after)
         ends.append(after)
-    schedule(builder.plan, lambda lane: _resource(lane, hw))
+    schedule(builder.plan, lambda lane: resource_of(lane, hw))
     ops = builder.plan.ops
     start, end = ops[ends[-2]].end, ops[ends[-1]].end
     trace = Trace(origin=0.0)
@@ -427,7 +428,7 @@ def _prediction(trace: Trace, step_s: float, hw: Hardware) -> Prediction:
             exposed[lane] = union_length(spans) - _overlap(spans, compute)
     resources: dict[str, list] = {}
     for span in trace.spans:
-        resources.setdefault(_resource(span.lane, hw), []).append((span.start, span.end))
+        resources.setdefault(resource_of(span.lane, hw), []).append((span.start, span.end))
     bound = max(resources, key=lambda r: union_length(resources[r])) if resources else "nothing"
     fetch_s = union_length(fetches)
     return Prediction(step_s, trace, busy, exposed, bound, fetch_s=fetch_s,

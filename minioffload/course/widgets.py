@@ -13,9 +13,11 @@ import matplotlib.pyplot as plt
 from IPython.display import display
 from matplotlib.figure import Figure
 
+from .. import plan as planner
 from ..memory import GB, OPTIMIZERS, PLACEMENTS, PRECISIONS
+from ..profiles import PAPER_PRESETS, PRESETS, preset
 from ..trace import Trace
-from .viz import footprint_figure, streamed_step, timeline
+from .viz import footprint_figure, plan_memory, streamed_step, timeline
 
 
 def footprint_explorer(num_params: float = 7e9, gpu_gb: float = 80,
@@ -106,3 +108,52 @@ def streaming_explorer(work, hw, draw: Callable[..., Figure] = streamed_step) ->
     redraw()
     return widgets.VBox([widgets.HBox([controls["prefetch"], controls["budget_blocks"]]),
                          widgets.HBox([controls["link_gbps"], controls["params_on"]]), out])
+
+
+def plan_explorer(params: float = 70e9, hardware: str = "h100-sxm", host_gb: float = 512, nvme_gb: float = 4000,
+                  batch: int = 8, top: int = 4, search: Callable[..., list] = planner.search,
+                  draw: Callable[..., Figure] = plan_memory) -> widgets.VBox:
+    """Sliders and menus over the planner: model size (a GPT-3-family shape, log scale), hardware preset, host and
+    NVMe GB (0: no NVMe) and the batch. Shows the best plan of each kind (`plan.table`) and `draw(plans)` (bytes per
+    tier against capacity), or NoPlanError's message and `draw([], capacity=..., short=...)` when nothing fits.
+    `search(spec, hw, limits)` is `plan.search` unless given (tests pass a faster one)."""
+    names = [*PRESETS, *PAPER_PRESETS]
+    if hardware not in names:
+        raise ValueError(f"unknown hardware preset {hardware!r}; choose one of {', '.join(names)}")
+    controls = {
+        "params": widgets.FloatLogSlider(value=params, base=10, min=8.5, max=11.6, step=0.01, description="parameters",
+                                         readout_format=".3g", continuous_update=False),
+        "hardware": widgets.Dropdown(options=names, value=hardware, description="hardware"),
+        "host_gb": widgets.FloatLogSlider(value=host_gb, base=10, min=1, max=4, step=0.01, description="host GB",
+                                          readout_format=".4g", continuous_update=False),
+        "nvme_gb": widgets.FloatSlider(value=nvme_gb, min=0, max=32000, step=250, description="NVMe GB",
+                                       readout_format=".0f", continuous_update=False),
+        "batch": widgets.Dropdown(options=[1, 2, 4, 8, 16, 32], value=batch, description="batch"),
+    }
+    table, out = widgets.Output(), widgets.Output()
+
+    def redraw(_change=None) -> None:
+        values = {name: control.value for name, control in controls.items()}
+        spec = planner.ModelSpec.of_params(values["params"])
+        hw = preset(values["hardware"])
+        limits = planner.Limits(batch=values["batch"], host_bytes=values["host_gb"] * GB,
+                                nvme_bytes=values["nvme_gb"] * GB)
+        try:
+            plans, error = planner.best_per_family(search(spec, hw, limits))[:top], None
+        except planner.NoPlanError as err:
+            plans, error = [], err
+        with table:
+            table.clear_output(wait=True)
+            print(f"{spec} on {hw.name}, batch {values['batch']}")
+            print(str(error) if error else planner.table(plans))
+        with out:
+            out.clear_output(wait=True)
+            fig = draw(plans) if plans else draw([], capacity=limits.capacity(hw), short=error.short)
+            display(fig)
+            plt.close(fig)
+
+    for control in controls.values():
+        control.observe(redraw, names="value")
+    redraw()
+    return widgets.VBox([widgets.HBox([controls["params"], controls["hardware"]]),
+                         widgets.HBox([controls["host_gb"], controls["nvme_gb"], controls["batch"]]), table, out])

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from minioffload import export
-from minioffload.export import to_deepspeed_config, to_fsdp2_code, to_torchao_code, unsupported
+from minioffload.export import to_deepspeed_config, unsupported
+from minioffload.export_code import to_fsdp2_code, to_torchao_code
 from minioffload.models import GPT, GPTConfig
 from minioffload.plan_types import ModelSpec, Plan
 

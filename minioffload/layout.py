@@ -71,6 +71,8 @@ class Subgroup:
     numel: int
     where: Where = Where.CPU
     slots: list[Slot] = field(default_factory=list)
+    owner: int = 0  # the rank that holds its state and runs its update (sharding.py); 0 with one rank
+    arrived: int = 0  # sharded: gradients that arrived in the current backward
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # STATE names and "grad" -> flat fp32 tensor
     # (kind, dtype) -> flat tensor in the parameters' dtype: kind "staging" (gradients arrive, 16-bit weights
     # leave) or "upload" (a delayed update's weights wait)
@@ -111,6 +113,21 @@ def pack_sizes(numels: list[int], subgroup_numel: int) -> list[int]:
             sizes.append(0)
         sizes[-1] += numel
     return sizes
+
+
+def shard_owners(sizes: list[int], ranks: int) -> list[int]:
+    """The rank that owns each subgroup of `sizes` elements: in order, each goes to the rank holding the fewest
+    elements so far (ties: the lowest rank). Deterministic, so every rank computes the same map; no rank holds
+    more than the fairest share plus one subgroup."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
+    held = [0] * ranks
+    owners = []
+    for size in sizes:
+        rank = min(range(ranks), key=lambda r: (held[r], r))
+        owners.append(rank)
+        held[rank] += size
+    return owners
 
 
 def device_subgroups(count: int, gpu_fraction: float | None = None, stride: int | None = None

@@ -39,6 +39,11 @@ around a device-side Adam (`stride`) while the CPU updates the other subgroups.
 With `streamer=` (a `ParamStreamer`, chapter 8) the blocks' weights live off the device between uses: their
 gradients leave as any other, and their new weights go to the streamer's home instead of up the link (an fp32
 model's home is the master itself). Delayed updates and hybrid splits need the weights on the device: refused.
+
+With `shard=` (a `Shard`, chapter 10, sharding.py) each of N ranks owns about 1/N of the subgroups: a subgroup's
+gradients are summed into its owner when its last one arrives, only the owner holds its state and updates it, and
+its new weights are broadcast from there. Gradients are averaged over the ranks (the coefficient takes 1/N). The
+hybrid split, delayed updates and streamed weights are refused with a shard (not built for it yet).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from .gradnorm import sum_of_squares
 from .layout import STATE, Slot, Subgroup, Where
 from .nvme_tier import NvmeTier
 from .options import OffloadOptions
+from .sharding import WeightGather, settings_of
 
 HYPER = ("lr", "betas", "eps", "weight_decay")  # what each param group gives the update
 
@@ -67,17 +73,21 @@ class OffloadAdam(torch.optim.Optimizer):
     and updated is an `OffloadOptions` (options.py): pass one as `options=`, or its fields as keywords
     (`subgroup_numel=`, `max_grad_norm=`, `stride=`, ...). `swapper`: a `Swapper` (nvme.py) for the NVMe tier.
     `streamer`: the `ParamStreamer` (streaming.py) of the model, when its weights are streamed.
+    `shard`: a `Shard` (sharding.py): this rank owns and updates only its share of the subgroups.
     """
 
     def __init__(self, params, dev, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, *, options: OffloadOptions | None = None,
-                 swapper=None, streamer=None, **option_fields):
+                 swapper=None, streamer=None, shard=None, **option_fields):
         options = (options or OffloadOptions()).replace(**option_fields)
         if swapper is not None:
             options.check_nvme()
         if streamer is not None and (options.delayed or options.hybrid):
             raise ValueError("streamed weights are updated on the CPU and sent home between steps: "
                              "delay_updates_after, gpu_fraction and stride need them on the device; leave them off")
+        if shard is not None and (options.delayed or options.hybrid or streamer is not None):
+            raise ValueError("sharded offload (shard=) runs the synchronous CPU update with the weights on the "
+                             "device: leave delay_updates_after, gpu_fraction, stride and streamed weights off")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not trainable:
@@ -86,7 +96,7 @@ class OffloadAdam(torch.optim.Optimizer):
         if not all(dev.is_device(p) for p in trainable if p not in streamed):
             raise ValueError("every parameter must be on the device before OffloadAdam takes it: call "
                              "dev.place(model) first (or stream it: ParamStreamer)")
-        self.dev, self.options, self.swapper, self.streamer = dev, options, swapper, streamer
+        self.dev, self.options, self.swapper, self.streamer, self.shard = dev, options, swapper, streamer, shard
         self.d2h, self.h2d = dev.stream("offload d2h"), dev.stream("offload h2d")
         self.last_grad_norm: float | None = None  # before clipping, unscaled; None when clipping is off
         self.dynamic = options.loss_scale == "dynamic"
@@ -98,6 +108,9 @@ class OffloadAdam(torch.optim.Optimizer):
                                        if p.numel() < options.min_offload_numel and p not in streamed))
         self._device_opt, self._kept_groups = self._device_optimizer()
         self.subgroups, self._slots = layout.pack(self.param_groups, options.subgroup_numel, set(self.kept))
+        self._index = {id(sub): i for i, sub in enumerate(self.subgroups)}
+        if shard is not None:
+            self._share_out()
         self.device_path = self.nvme = None
         if streamer is not None:
             streamer.wraps = False  # the blocks change at step(): it prefetches the next pass after the update
@@ -107,6 +120,19 @@ class OffloadAdam(torch.optim.Optimizer):
             slot.param.register_post_accumulate_grad_hook(self._offload_grad)
 
     # layout -------------------------------------------------------------------------------------
+    def _share_out(self) -> None:
+        """Sharded: every rank checks that all run the same settings, then takes its subgroups."""
+        mixed = [i for i, sub in enumerate(self.subgroups) if len({s.param.dtype for s in sub.slots}) > 1]
+        if mixed:
+            raise ValueError(f"sharded offload sends each subgroup as one buffer, and subgroups {mixed} mix dtypes: "
+                             "cast the model to one dtype")
+        self.shard.check_same(settings_of(self))
+        for sub, owner in zip(self.subgroups, self.shard.assign([sub.numel for sub in self.subgroups]), strict=True):
+            sub.owner = owner
+
+    def _mine(self, sub: Subgroup) -> bool:
+        return self.shard is None or sub.owner == self.shard.rank
+
     def _device_optimizer(self):
         """torch's AdamW over the parameters kept on the device, one group per outer group that has some."""
         kept = set(self.kept)
@@ -127,6 +153,8 @@ class OffloadAdam(torch.optim.Optimizer):
         # first: a split that does not fit fails here, before anything moves
         self.device_path = DevicePath(self.dev, self.subgroups) if resident or streamed else None
         for sub in self.subgroups:
+            if not self._mine(sub):  # another rank's: its state and staging live there
+                continue
             if sub.where == Where.RESIDENT:  # the device path holds its buffers; the master starts as the weights
                 for slot in sub.slots:
                     slot.view(sub.buffers["master"]).copy_(slot.param.detach().reshape(-1))
@@ -183,11 +211,13 @@ class OffloadAdam(torch.optim.Optimizer):
         return slot.shaped(slot.subgroup.buffers["master"])
 
     def _on_cpu(self) -> list[Subgroup]:
-        return [sub for sub in self.subgroups if sub.where == Where.CPU]
+        return [sub for sub in self.subgroups if sub.where == Where.CPU and self._mine(sub)]
 
     # backward: gradients leave the device as soon as they are ready ----------------------------
     def _offload_grad(self, param: torch.nn.Parameter) -> None:
         slot = self._slots[param]
+        if self.shard is not None:
+            return self._gather_grad(slot)
         if slot.subgroup.where != Where.CPU:  # updated on the device: the gradient stays (torch accumulates)
             self.dev.adopt(param.grad, "grad")
             slot.has_grad = True
@@ -203,6 +233,37 @@ class OffloadAdam(torch.optim.Optimizer):
         done.record(self.d2h)
         slot.pending.append((done, staging))
         slot.has_grad = True
+
+    def _gather_grad(self, slot: Slot) -> None:
+        """Sharded: a gradient waits on the device until its subgroup is complete; then the subgroup goes."""
+        self.dev.adopt(slot.param.grad, "grad")
+        slot.has_grad = True
+        slot.subgroup.arrived += 1
+        if slot.subgroup.arrived == len(slot.subgroup.slots):
+            self._reduce(slot.subgroup)
+
+    def _reduce(self, sub: Subgroup) -> None:
+        """Pack a subgroup's gradients into one buffer, sum it into the owner, which copies it to the host."""
+        index = self._index[id(sub)]
+        grads = [s.param.grad if s.param.grad is not None else torch.zeros_like(s.param) for s in sub.slots]
+        flat = self.dev.adopt(torch.cat([grad.reshape(-1) for grad in grads]), "grad bucket")
+        for s in sub.slots:
+            s.param.grad = None
+        sub.arrived = 0
+        with self.dev.trace.span("net", f"reduce {index}", flat.numel() * flat.element_size()):
+            self.shard.reduce(flat, index)
+        if not self._mine(sub):
+            return
+        for s in sub.slots:
+            self._add_pending(s)  # the previous micro-batch's copy is added in before the staging is reused
+        staging = sub.staging["staging", flat.dtype]
+        self.dev.stream_waits_for_compute(self.d2h)
+        self.dev.copy(staging, flat, self.d2h, name="d2h grad")
+        self.dev.keep_alive(flat, self.d2h)
+        done = self.dev.event()
+        done.record(self.d2h)
+        for s in sub.slots:
+            s.pending.append((done, self._staging(s)))
 
     def _add_pending(self, slot: Slot) -> None:
         if slot.pending:
@@ -220,6 +281,8 @@ class OffloadAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._send_delayed_weights()  # a delayed update from the last step: its weights go up now
+        if self.shard is not None:
+            self._reduce_the_rest()
         for slot in self._slots.values():
             self._add_pending(slot)
         if not self._grads_finite():  # overflow: skip this step everywhere, touch no state, lower the scale
@@ -250,6 +313,16 @@ class OffloadAdam(torch.optim.Optimizer):
         self._next_forward_waits()
         return loss
 
+    def _reduce_the_rest(self) -> None:
+        """Sharded: subgroups some of whose parameters got no gradient, and the gradients kept on the device."""
+        for sub in self.subgroups:
+            if sub.arrived:
+                self._reduce(sub)
+        for p in self.kept:
+            if p.grad is not None:
+                with self.dev.trace.span("net", "all-reduce kept", p.grad.numel() * p.grad.element_size()):
+                    self.shard.all_reduce(p.grad, "the gradients kept on the device")
+
     def _update_all(self, coef: float, fresh: list[Slot], hyper: dict, send: bool) -> list[Slot]:
         """CPU Adam over every subgroup; `send`: each subgroup's weights go up while the next one updates,
         else (delayed) they are rounded into the upload buffers for the next step() to send."""
@@ -261,21 +334,56 @@ class OffloadAdam(torch.optim.Optimizer):
         subgroups = self._on_cpu()
         if self.nvme is not None:  # each subgroup's state is read from disk just before and written after
             subgroups = self.nvme.visit([sub for sub in subgroups if any(id(s) in fresh_ids for s in sub.slots)])
+        gather = None
+        if self.shard is not None:  # the others' weights are received in order, between this rank's updates
+            gather = WeightGather(self.shard, self.dev, in_flight=2 * self.shard.world)
+            subgroups = self._interleave(subgroups, fresh_ids, gather)
         for sub in subgroups:
             slots = [s for s in sub.slots if id(s) in fresh_ids]
             self._update(sub, coef, slots, hyper)
-            if send:
+            if gather is not None:
+                self._send_subgroup(sub, gather)
+            elif send:
                 self._upload(slots)
             else:
                 for slot in slots:
                     DelayedUpdate.stash(slot)
             sub.buffers["grad"].zero_()
+        if gather is not None:
+            gather.finish()
         if send:
             self._uploaded = self.dev.event()
             self._uploaded.record(self.h2d)
         if self.streamer is not None:
             self.streamer.updated()
         return fresh
+
+    def _interleave(self, own, fresh_ids: set, gather: WeightGather):
+        """Sharded: yield this rank's subgroups to update, in order; between them, receive the other ranks'
+        weights, so that every rank issues the same broadcasts in the same order."""
+        own = iter(own)
+        for index, sub in enumerate(self.subgroups):
+            if not any(id(s) in fresh_ids for s in sub.slots):
+                continue  # no gradient on any rank: unchanged everywhere
+            if self._mine(sub):
+                yield next(own)
+            else:
+                gather.receive(index, sub.numel, sub.slots[0].param.dtype, sub.slots)
+
+    def _send_subgroup(self, sub: Subgroup, gather: WeightGather) -> None:
+        """Sharded: the subgroup's new weights up in one copy, then broadcast from this rank to the others."""
+        dtype = sub.slots[0].param.dtype
+        source = sub.buffers["master"]
+        if dtype != torch.float32:
+            source = sub.staging["staging", dtype]
+            source.copy_(sub.buffers["master"])  # round to the model's dtype, on the CPU
+        flat = self.dev.empty(sub.numel, dtype, "weights in flight")
+        self.dev.stream_waits_for_compute(self.h2d)
+        self.dev.copy(flat, source, self.h2d, name="h2d weights")
+        landed = self.dev.event()
+        landed.record(self.h2d)
+        self.dev.compute_waits_for(landed)  # the broadcast reads it (on the sim the host waits here)
+        gather.send(self._index[id(sub)], flat, sub.slots)
 
     def _update_on_device(self, coef: float, fresh: list[Slot], hyper: dict) -> None:
         """Queue the device path of the hybrid update (device_path.py); returns at once."""
@@ -329,19 +437,25 @@ class OffloadAdam(torch.optim.Optimizer):
         """One flag from every subgroup: is any gradient inf or NaN? (Only checked with loss scaling on.)"""
         if self.scale == 1.0 and not self.dynamic:
             return True
-        return all(bool(torch.isfinite(sub.buffers["grad"]).all()) for sub in self._on_cpu()) and all(
+        finite = all(bool(torch.isfinite(sub.buffers["grad"]).all()) for sub in self._on_cpu()) and all(
             bool(torch.isfinite(grad).all()) for grad in self._device_grads())
+        return finite if self.shard is None else self.shard.all_true(finite)  # sharded: skip on every rank or none
 
     def _clip_coefficient(self) -> float:
         """What multiplies every gradient before the update: 1/scale, times the clip factor computed from the
         global L2 norm (per-subgroup partial sums, one combine) as clip_grad_norm_ does."""
         if self.options.max_grad_norm is None:  # no clipping: skip a pass over every gradient
             self.last_grad_norm = None
-            return 1.0 / self.scale
-        squares = sum(sum_of_squares(sub.buffers["grad"]) for sub in self._on_cpu())  # one pass, no temporaries
+            return 1.0 / (self.scale * (self.shard.world if self.shard is not None else 1))
+        if self.shard is None:
+            squares = sum(sum_of_squares(sub.buffers["grad"]) for sub in self._on_cpu())  # one pass, no temporaries
+        else:  # the owners' partial sums, added in the same order as one process adds them
+            squares = self.shard.sum_in_order({self._index[id(sub)]: sum_of_squares(sub.buffers["grad"])
+                                               for sub in self._on_cpu()}, len(self.subgroups))
         squares += sum(float(grad.double().square().sum()) for grad in self._device_grads())
-        self.last_grad_norm = math.sqrt(squares) / self.scale
-        return min(1.0, self.options.max_grad_norm / (self.last_grad_norm + 1e-6)) / self.scale
+        divide = self.scale * (self.shard.world if self.shard is not None else 1)  # ranks' sum -> their mean
+        self.last_grad_norm = math.sqrt(squares) / divide
+        return min(1.0, self.options.max_grad_norm / (self.last_grad_norm + 1e-6)) / divide
 
     def _update(self, sub: Subgroup, coef: float, slots: list[Slot], hyper: dict) -> None:
         """CPU Adam on the subgroup's `slots` (those that got a gradient), with `hyper`: group id -> lr etc."""
@@ -390,8 +504,12 @@ class OffloadAdam(torch.optim.Optimizer):
         """The fp32 master copy of each trainable parameter, in the order the optimizer holds them."""
         self._quiesce()
         on_disk = self._read_state("master")  # NVMe tier: copies read from the disk
-        return [slot.shaped(on_disk[id(slot.subgroup)]["master"]) if id(slot.subgroup) in on_disk
-                else self._master(slot) for slot in self._slots.values()]
+        flat = {id(sub): on_disk[id(sub)]["master"] if id(sub) in on_disk else sub.buffers.get("master")
+                for sub in self.subgroups}
+        if self.shard is not None:  # a collective: every rank calls it, and each subgroup comes from its owner
+            for index, sub in enumerate(self.subgroups):
+                flat[id(sub)] = self.shard.broadcast_host(flat[id(sub)], sub.numel, index)
+        return [slot.shaped(flat[id(slot.subgroup)]) for slot in self._slots.values()]
 
     def _read_state(self, *names: str) -> dict:
         """NVMe tier: {id(subgroup): {name: a fresh host tensor read from the disk}} ({} without the tier)."""

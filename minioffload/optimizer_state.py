@@ -6,13 +6,18 @@ settings, the loss-scale state, the small parameters kept on the device (torch's
 a delayed update, which parameters' weights it had not sent yet (`unsent`), so that a checkpoint loaded
 together with the model's own state_dict (whose weights are one update behind) continues bit for bit.
 
-What this is not: a file format or a sharded, asynchronous checkpoint (chapter 11).
+Sharded (chapter 10): each rank saves the parameters it owns, under the same indices as one process would, and
+loads those it owns from any checkpoint that has them: checkpoint.py puts the ranks' parts in one directory with
+torch.distributed.checkpoint, and loads them onto any number of ranks.
+
+What this is not: a file format or an asynchronous checkpoint (chapter 11).
 """
 
 from __future__ import annotations
 
 from .delayed import DelayedUpdate
 from .layout import STATE, Where
+from .sharding import WeightGather
 
 
 def save(opt) -> dict:
@@ -23,10 +28,12 @@ def save(opt) -> dict:
     on_disk = opt._read_state(*STATE)
     state = {}
     for index, slot in enumerate(slots):
+        if not opt._mine(slot.subgroup):
+            continue  # another rank's part
         buffers = on_disk.get(id(slot.subgroup), slot.subgroup.buffers)
         state[index] = {"step": slot.step, "shape": tuple(slot.param.shape),
                         **{name: slot.view(buffers[name]).to("cpu", copy=True) for name in STATE}}
-    return {"state": state,
+    return {"state": state, "params": len(slots),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
             "loss_scale": {"scale": opt.scale, "clean_steps": opt.clean_steps, "skipped": opt.skipped_steps},
             "updates": opt.updates,
@@ -40,10 +47,18 @@ def check(opt, state_dict: dict) -> None:
     slots = list(opt._slots.values())
     saved = state_dict.get("state", {})
     groups = state_dict.get("param_groups", [])
-    if len(saved) != len(slots) or len(groups) != len(opt.param_groups):
-        raise ValueError(f"checkpoint holds {len(saved)} parameters in {len(groups)} groups; this optimizer has "
+    total = state_dict.get("params", len(saved))
+    if total != len(slots) or len(groups) != len(opt.param_groups):
+        raise ValueError(f"checkpoint holds {total} parameters in {len(groups)} groups; this optimizer has "
                          f"{len(slots)} in {len(opt.param_groups)}: is it from another model?")
-    for index, slot in enumerate(slots):
+    owned = [index for index, slot in enumerate(slots) if opt._mine(slot.subgroup)]
+    missing = [index for index in owned if index not in saved]
+    if missing:
+        raise ValueError(f"checkpoint lacks parameters {missing[:8]}{' ...' if len(missing) > 8 else ''} that this "
+                         "optimizer updates: it is one rank's part; load the whole sharded checkpoint "
+                         "(minioffload.checkpoint.load) instead")
+    for index in owned:
+        slot = slots[index]
         if tuple(saved[index]["shape"]) != tuple(slot.param.shape):
             raise ValueError(f"checkpoint parameter {index} has shape {tuple(saved[index]['shape'])}, this "
                              f"model's has {tuple(slot.param.shape)}: is it from another model?")
@@ -65,11 +80,15 @@ def load(opt, state_dict: dict) -> None:
         group.update(saved_group)
     positions = {id(slot): index for index, slot in enumerate(slots)}
     for index, slot in enumerate(slots):
+        if not opt._mine(slot.subgroup):
+            continue
         slot.step = saved[index]["step"]
         if opt.nvme is None or slot.subgroup.where != Where.CPU:
             for name in STATE:
                 slot.view(slot.subgroup.buffers[name]).copy_(saved[index][name])
-    if opt.nvme is not None:  # NVMe tier: each subgroup's state goes to the disk and its weights up
+    if opt.shard is not None:
+        _share_weights(opt, saved, positions)
+    elif opt.nvme is not None:  # NVMe tier: each subgroup's state goes to the disk and its weights up
         for sub in opt.nvme.visit(opt._on_cpu()):
             for slot in sub.slots:
                 for name in STATE:
@@ -87,7 +106,7 @@ def load(opt, state_dict: dict) -> None:
             opt._uploaded.synchronize()  # an earlier upload may still read the upload buffers
         for slot in opt.delayed.unsent:
             DelayedUpdate.stash(slot)
-    if opt.nvme is None:
+    if opt.nvme is None and opt.shard is None:
         opt._upload([slot for index, slot in enumerate(slots)
                      if index not in unsent and slot.subgroup.where == Where.CPU])
     for slot in slots:
@@ -98,3 +117,16 @@ def load(opt, state_dict: dict) -> None:
     opt._uploaded = opt.dev.event()
     opt._uploaded.record(opt.h2d)
     opt._next_forward_waits()
+
+
+def _share_weights(opt, saved: dict, positions: dict) -> None:
+    """Sharded: each owner's state to its disk (NVMe tier), its weights up and broadcast to every rank."""
+    gather = WeightGather(opt.shard, opt.dev, in_flight=2 * opt.shard.world)
+    own = opt.nvme.visit(opt._on_cpu()) if opt.nvme is not None else opt._on_cpu()
+    for sub in opt._interleave(own, {id(slot) for slot in opt._slots.values()}, gather):
+        if opt.nvme is not None:
+            for slot in sub.slots:
+                for name in STATE:
+                    slot.view(sub.buffers[name]).copy_(saved[positions[id(slot)]][name])
+        opt._send_subgroup(sub, gather)
+    gather.finish()

@@ -159,6 +159,12 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
     tr.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between validation losses")
     tr.add_argument("--progress", action=argparse.BooleanOptionalAction, default=d.progress,
                     help="show a progress bar with loss and tokens/s")
+    tr.add_argument("--shard", action="store_true",
+                    help="under torchrun: shard the optimizer state over the ranks (gloo on the sim, NCCL on CUDA)")
+    tr.add_argument("--checkpoint-dir", default=d.checkpoint_dir, metavar="DIR",
+                    help="save the run here at its end (torch.distributed.checkpoint: every rank writes its part)")
+    tr.add_argument("--resume", default=d.resume, metavar="DIR",
+                    help="continue a run saved with --checkpoint-dir, on any number of ranks")
     tr.add_argument("--plan", default=None, metavar="FILE",
                     help="run a plan written by `plan`: it sets the model, context, batch, accumulation, precision, "
                          "offload, activations, homes, prefetch and optimizer options")
@@ -171,6 +177,8 @@ def train_command(args: argparse.Namespace) -> int:
     from .train import format_summary, train
 
     result = train(args.config)
+    if "summary" not in result.paths:  # a rank other than 0: rank 0 reports
+        return 0
     print(format_summary(result.summary))
     print(f"wrote {result.paths['trace']}, {result.paths['loss'].name}, {result.paths['summary'].name}")
     return 0

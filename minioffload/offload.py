@@ -332,8 +332,10 @@ class OffloadAdam(torch.optim.Optimizer):
         if not send and self._uploaded is not None:
             self._uploaded.synchronize()  # the previous weights must have left the upload buffers
         subgroups = self._on_cpu()
+        if self.nvme is not None or self.shard is not None:  # only those with a gradient
+            subgroups = [sub for sub in subgroups if any(id(s) in fresh_ids for s in sub.slots)]
         if self.nvme is not None:  # each subgroup's state is read from disk just before and written after
-            subgroups = self.nvme.visit([sub for sub in subgroups if any(id(s) in fresh_ids for s in sub.slots)])
+            subgroups = self.nvme.visit(subgroups)
         gather = None
         if self.shard is not None:  # the others' weights are received in order, between this rank's updates
             gather = WeightGather(self.shard, self.dev, in_flight=2 * self.shard.world)
@@ -369,6 +371,9 @@ class OffloadAdam(torch.optim.Optimizer):
                 yield next(own)
             else:
                 gather.receive(index, sub.numel, sub.slots[0].param.dtype, sub.slots)
+        if next(own, None) is not None:  # resumed once more: the NVMe tier writes the last subgroup back
+            raise RuntimeError("a subgroup of this rank was left out of the update: the shard map and the "
+                               "subgroups disagree")
 
     def _send_subgroup(self, sub: Subgroup, gather: WeightGather) -> None:
         """Sharded: the subgroup's new weights up in one copy, then broadcast from this rank to the others."""

@@ -45,6 +45,12 @@ def init(device_kind: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
+def leave() -> None:
+    """Leave the process group `init` joined (the end of a run)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class Shard:
     """This rank's place in the group, who owns which subgroup, and the collectives that move gradients to
     owners and weights from them. `group`: a torch.distributed group (default: the world)."""
@@ -122,6 +128,19 @@ class Shard:
         self._run("the overflow flag's all-reduce", lambda: dist.all_reduce(value, op=dist.ReduceOp.MAX,
                                                                            group=self.host_group))
         return not bool(value.item())
+
+    def mean(self, value: float) -> float:
+        """The mean of a number over the ranks (a step's loss)."""
+        total = torch.tensor([value], dtype=torch.float64)
+        self._run("the all-reduce of a number", lambda: dist.all_reduce(total, group=self.host_group))
+        return float(total.item()) / self.world
+
+    def gather(self, value) -> list:
+        """Every rank's `value` (a small picklable object), in rank order, on every rank."""
+        everyone: list = [None] * self.world
+        self._run("the gather of every rank's figures",
+                  lambda: dist.all_gather_object(everyone, value, group=self.host_group))
+        return everyone
 
     def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
         """Sum a device tensor over every rank, in place (gradients kept on the device)."""

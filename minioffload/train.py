@@ -18,6 +18,13 @@ With `params_on="host"` or `"nvme"` the blocks' weights are streamed (chapter 8,
 pinned host memory or in nvme_dir/weights and come up block by block, `prefetch` blocks ahead, so a model several
 times the (sim) device's `device_memory` trains.
 
+With `shard=True`, under torchrun (`torchrun --nproc-per-node N -m minioffload train --shard`), each rank is one
+process with its own device (the sim, or GPU LOCAL_RANK) and OffloadAdam shards the optimizer state (chapter 10,
+sharding.py). Rank r trains on micro-batches r*A .. r*A+A-1 of the N*A one process with grad_accum N*A would
+draw, so N ranks give that one process's weights. Rank 0 writes loss.csv, summary.json (with every rank's link
+bytes) and trace.json; rank r > 0 writes trace_rank<r>.json. `checkpoint_dir` saves the run at its end with
+torch.distributed.checkpoint (checkpoint.py); `resume` continues one, on any number of ranks.
+
 What this is not: a tuned trainer (no LR schedule, no checkpoints, no mixed-precision autocast: "bf16"
 casts the model's parameters, and OffloadAdam keeps fp32 masters on the host).
 """
@@ -27,32 +34,32 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 import torch
 
+from . import checkpoint, sharding
 from .activations import POLICIES, Activations
 from .device import device as make_device
 from .device_sim import SimDevice
 from .layout import STATE_BYTES_PER_PARAM
-from .memory import format_bytes
 from .models import GPT, CharTokenizer, GPTConfig, batches, load_text, train_val_split
 from .nvme import Swapper
 from .offload import OffloadAdam
 from .options import OffloadOptions
 from .paths import usable_directory
 from .streaming import ParamStreamer, plan
-from .trace import Span, union_length
+from .train_report import PHASES, format_summary, step_phases, summarize
 
 DEVICES = ("auto", "sim", "cuda")
 PRECISIONS = ("fp32", "bf16")
 PARAMS_ON = ("device", "host", "nvme")
+__all__ = ["PHASES", "TrainConfig", "TrainResult", "format_summary", "preflight", "step_phases", "train"]
 EVAL_BATCHES = 8  # validation batches per evaluation (the same ones every time)
-SAMPLE_CHARS = 200
-PHASES = ("forward", "backward", "exposed_d2h", "cpu_update", "exposed_h2d", "device_update")
 
 
 def _train_defaults() -> OffloadOptions:
@@ -81,6 +88,9 @@ class TrainConfig:
     device_memory: int | None = None  # the sim device's memory in bytes (None: its default, 4 GiB)
     grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0
+    shard: bool = False  # shard the optimizer state over torchrun's ranks (chapter 10); needs offload
+    checkpoint_dir: str | None = None  # save the run here at its end (torch.distributed.checkpoint)
+    resume: str | None = None  # continue a run saved in this checkpoint directory
     out_dir: str | None = None  # None: runs/<timestamp>
     eval_every: int = 100  # steps between validation losses (the last step is always evaluated)
     progress: bool = True  # show a progress bar (when tqdm is installed)
@@ -121,7 +131,11 @@ class TrainConfig:
         if self.params_on != "device" and (self.optimizer.delayed or self.optimizer.hybrid):
             raise ValueError(f"TrainConfig.params_on={self.params_on!r} updates the streamed weights on the CPU: "
                              "delay_updates_after, gpu_fraction and stride need them on the device")
-        needs_offload = (self.optimizer.offload_only() + (["nvme_dir"] if self.nvme_dir is not None else [])
+        if self.shard and (self.params_on != "device" or self.optimizer.delayed or self.optimizer.hybrid):
+            raise ValueError("TrainConfig.shard runs the synchronous CPU update with the weights on the device: "
+                             "leave params_on='device' and delay_updates_after, gpu_fraction, stride unset")
+        needs_offload = (self.optimizer.offload_only() + (["shard"] if self.shard else [])
+                         + (["nvme_dir"] if self.nvme_dir is not None else [])
                          + (["params_on"] if self.params_on != "device" else []))
         if needs_offload and not self.offload:
             raise ValueError(f"TrainConfig: {', '.join(needs_offload)}: OffloadAdam's options, which need "
@@ -143,32 +157,6 @@ class TrainResult:
 
 
 # ---------------------------------------------------------------------------------------------
-# timing from the trace
-
-
-def step_phases(spans: list[Span], start: float, end: float) -> dict[str, float]:
-    """Seconds of each phase among `spans` inside the window [start, end] (trace time).
-
-    exposed_d2h: the d2h lane busy while neither compute nor cpu is (|d2h ∪ busy| - |busy|); same for h2d."""
-    def clipped(keep) -> list[tuple[float, float]]:
-        return [(max(s.start, start), min(s.end, end)) for s in spans
-                if keep(s) and s.end > start and s.start < end]
-
-    busy = clipped(lambda s: s.lane in ("compute", "cpu"))
-    d2h, h2d = clipped(lambda s: s.lane == "d2h"), clipped(lambda s: s.lane == "h2d")
-    busy_time = union_length(busy)
-    return {
-        "forward": union_length(clipped(lambda s: s.lane == "compute" and s.name == "forward")),
-        "backward": union_length(clipped(lambda s: s.lane == "compute" and s.name == "backward")),
-        "exposed_d2h": union_length(busy + d2h) - busy_time,
-        "cpu_update": union_length(clipped(lambda s: s.lane == "cpu")),
-        "exposed_h2d": union_length(busy + h2d) - busy_time,
-        "device_update": union_length(clipped(lambda s: s.lane == "compute" and (
-            s.name == "update" or s.name.startswith("device adam")))),
-    }
-
-
-# ---------------------------------------------------------------------------------------------
 # the loop
 
 
@@ -182,14 +170,14 @@ class _Steps(list):
         pass
 
 
-def _progress_bar(steps: int, desc: str, enabled: bool):
+def _progress_bar(steps: int, desc: str, enabled: bool, first: int = 1):
     try:
         from tqdm.auto import tqdm  # the course extra installs it; the runtime runs without
     except ImportError:
         enabled = False
     if not enabled:
-        return _Steps(range(1, steps + 1))
-    return tqdm(range(1, steps + 1), desc=desc, unit="step", dynamic_ncols=True)
+        return _Steps(range(first, steps + 1))
+    return tqdm(range(first, steps + 1), desc=desc, unit="step", dynamic_ncols=True)
 
 
 @torch.no_grad()
@@ -244,24 +232,49 @@ def preflight(config: TrainConfig) -> tuple[Path, CharTokenizer, torch.Tensor, t
 def train(config: TrainConfig) -> TrainResult:
     """Train a GPT as `config` says; write trace.json, loss.csv and summary.json into its out_dir."""
     out_dir, tok, train_tokens, val_tokens = preflight(config)
+    if config.resume is not None and not (Path(config.resume) / ".metadata").is_file():
+        raise ValueError(f"TrainConfig.resume={config.resume!r} holds no checkpoint (no .metadata): give a "
+                         "directory a run saved with checkpoint_dir")
+    shard = _join(config)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
     model = GPT(GPTConfig.preset(config.model, tok.vocab_size, block_size=config.block_size))
-    dev = make_device(config.device, **({} if config.device_memory is None else
-                                         {"memory_bytes": config.device_memory}))
+    options = {} if config.device_memory is None else {"memory_bytes": config.device_memory}
+    if shard is not None and _on_cuda(config):
+        options = {"index": int(os.environ.get("LOCAL_RANK", 0))}
+    dev = make_device(config.device, **options)
     try:
-        return _run(config, dev, model, tok, train_tokens, val_tokens, out_dir)
+        return _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard)
     finally:
         dev.close()
+        if shard is not None:
+            sharding.leave()
 
 
-def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir) -> TrainResult:
+def _on_cuda(config: TrainConfig) -> bool:
+    return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+
+
+def _join(config: TrainConfig):
+    """shard=True: join torchrun's process group (gloo for the sim, NCCL for CUDA); a Shard, else None."""
+    if not config.shard:
+        return None
+    if "WORLD_SIZE" not in os.environ:
+        raise ValueError("TrainConfig.shard needs torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR): run "
+                         "`torchrun --nproc-per-node N -m minioffload train --shard ...`")
+    sharding.init("cuda" if _on_cuda(config) else "sim")
+    return sharding.Shard()
+
+
+def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard=None) -> TrainResult:
     if config.precision == "bf16":
         model.to(torch.bfloat16)
     swapper = weights_home = streamer = None
-    if config.nvme_dir is not None:
-        Path(config.nvme_dir).mkdir(parents=True, exist_ok=True)  # preflight checked that it can be made
-        swapper = Swapper(config.nvme_dir)
+    rank, world = (shard.rank, shard.world) if shard is not None else (0, 1)
+    if config.nvme_dir is not None:  # each rank its own files
+        nvme_dir = Path(config.nvme_dir) / f"rank{rank}" if shard is not None else Path(config.nvme_dir)
+        nvme_dir.mkdir(parents=True, exist_ok=True)  # preflight checked that it can be made
+        swapper = Swapper(nvme_dir)
     if config.params_on == "device":
         dev.place(model)
     else:  # the blocks' weights stay home and come up block by block; the rest is placed
@@ -274,7 +287,8 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir) -> TrainRes
     Activations(model.blocks, names[0] if len(names) == 1 else names, dev)  # "keep": nothing changes
     params = list(model.parameters())
     if config.offload:
-        opt = OffloadAdam(params, dev, lr=config.lr, options=config.optimizer, swapper=swapper, streamer=streamer)
+        opt = OffloadAdam(params, dev, lr=config.lr, options=config.optimizer, swapper=swapper, streamer=streamer,
+                          shard=shard)
     else:
         if config.precision == "bf16":
             warnings.warn("precision='bf16' with offload=False: torch AdamW updates the bf16 weights directly "
@@ -284,20 +298,31 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir) -> TrainRes
     val_gen = torch.Generator().manual_seed(config.seed + 1)
     val_batches = [tuple(map(dev.to_device, batches(val_tokens, config.block_size, config.batch_size, val_gen)))
                    for _ in range(EVAL_BATCHES)]
-    tokens_per_step = config.batch_size * config.block_size * config.grad_accum
+    tokens_per_step = config.batch_size * config.block_size * config.grad_accum * world
+    first_step = 1
+    if config.resume is not None:
+        extra = checkpoint.load(config.resume, model, opt)
+        first_step = extra["step"] + 1
+        if first_step > config.steps:
+            raise ValueError(f"TrainConfig.resume: the checkpoint is at step {extra['step']}; set steps above it "
+                             "(steps counts from the start of the run)")
+        data_gen.set_state(torch.tensor(list(extra["data_rng"]), dtype=torch.uint8))
 
     losses: list[float] = []
     val_losses: dict[int, float] = {}
     rows: list[tuple] = []
     windows: list[tuple[int, int, float, float]] = []  # (first span index, last, start, end) per step
     state_adopted = False
-    bar = _progress_bar(config.steps, f"train {config.model} ({dev.kind})", config.progress)
+    bar = _progress_bar(config.steps, f"train {config.model} ({dev.kind}{f', {world} ranks' if shard else ''})",
+                        config.progress and rank == 0, first_step)
     dev.synchronize()
     for step in bar:
         first_span, start = len(dev.trace.spans), dev.trace.now()
         step_loss = 0.0
+        drawn = [batches(train_tokens, config.block_size, config.batch_size, data_gen)
+                 for _ in range(config.grad_accum * world)]  # every rank draws all, and trains on its own
         for micro in range(config.grad_accum):
-            x, y = (dev.to_device(t) for t in batches(train_tokens, config.block_size, config.batch_size, data_gen))
+            x, y = (dev.to_device(t) for t in drawn[rank * config.grad_accum + micro])
             _, loss = dev.timed("forward", lambda x=x, y=y: model(x, y))
             dev.timed("backward", lambda loss=loss: (loss / config.grad_accum).backward())
             step_loss += float(loss.detach()) / config.grad_accum
@@ -320,6 +345,8 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir) -> TrainRes
                             dev.adopt(t, "optimizer state")
                 state_adopted = True
         opt.zero_grad(set_to_none=True)
+        if shard is not None:
+            step_loss = shard.mean(step_loss)
         if step == config.steps and isinstance(opt, OffloadAdam):
             opt.flush()  # a delayed update's last weights: evaluate and sample with them
         dev.synchronize()  # the step ends when its last copy has landed (the next forward waits for it)
@@ -335,10 +362,16 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir) -> TrainRes
                         **({"val": f"{val:.3f}"} if val is not None else {}))
     bar.close()
 
-    summary = _summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_per_step, streamer)
+    if config.checkpoint_dir is not None:
+        checkpoint.save(config.checkpoint_dir, model, opt,
+                        extra={"step": config.steps, "data_rng": bytes(data_gen.get_state().tolist())})
+    summary = summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_per_step, streamer, shard)
     for disk in (swapper, weights_home):
         if disk is not None:
             disk.close()  # every queued write lands first
+    if rank > 0:  # the other ranks write their timeline only
+        return TrainResult(losses, val_losses, summary, out_dir,
+                           {"trace": dev.trace.save(out_dir / f"trace_rank{rank}.json")})
     paths = {"trace": dev.trace.save(out_dir / "trace.json"), "loss": out_dir / "loss.csv",
              "summary": out_dir / "summary.json"}
     with open(paths["loss"], "w", newline="") as f:
@@ -348,88 +381,3 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir) -> TrainRes
             writer.writerow([step, f"{loss:.6f}", "" if val is None else f"{val:.6f}", f"{tps:.1f}"])
     paths["summary"].write_text(json.dumps(summary, indent=2) + "\n")
     return TrainResult(losses, val_losses, summary, out_dir, paths)
-
-
-def _summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_per_step, streamer) -> dict:
-    timed = windows[1:] if len(windows) > 1 else windows  # leave the warm-up step out
-    spans = dev.trace.spans
-    totals = dict.fromkeys(PHASES, 0.0)
-    step_time, durations = 0.0, []
-    for first, last, start, end in timed:
-        for phase, seconds in step_phases(spans[first:last], start, end).items():
-            totals[phase] += seconds
-        step_time += end - start
-        durations.append(end - start)
-    n = len(timed)
-    split = {f"{phase}_s": totals[phase] / n for phase in PHASES}
-    split["other_s"] = max(0.0, step_time / n - sum(split.values()))  # data, loss.item(), bookkeeping
-    split["step_s"] = step_time / n
-    split["step_median_s"] = sorted(durations)[n // 2]  # robust to steps stalled by other processes
-    host_bytes = (sum(t.numel() * t.element_size() for sub in opt.subgroups for t in sub.held().values())
-                  if isinstance(opt, OffloadAdam) else 0)
-    start_ids = tok.encode("\n") if "\n" in tok.chars else [0]
-    idx = dev.to_device(torch.tensor([start_ids], dtype=torch.long))
-    generated = model.generate(idx, SAMPLE_CHARS, generator=torch.Generator().manual_seed(config.seed))
-    config_dict = asdict(config)
-    config_dict.pop("progress")
-    config_dict.update(config_dict.pop("optimizer"))  # one flat record, as the CLI's flags are
-    return {
-        "config": {**config_dict, "device": dev.kind},
-        "num_params": model.num_params(),
-        "steps_timed": n,
-        **split,
-        "tokens_per_s": tokens_per_step / split["step_s"],
-        "device_peak_bytes": dev.ledger.peak("device"),
-        "optimizer_host_bytes": host_bytes,
-        "optimizer_nvme_bytes": 12 * sum(sub.numel for sub in opt.subgroups) if getattr(opt, "nvme", None) else 0,
-        **({} if streamer is None else {
-            "weights_bytes": (weights := sum(p.numel() * p.element_size() for p in model.parameters())),
-            "weights_over_device": weights / dev.ledger.capacity("device"),
-            "streamed_peak_bytes": streamer.peak_bytes, "stream_budget_bytes": streamer.budget_bytes,
-            "fetches": streamer.fetches, "reorders": streamer.reorders}),
-        "final_train_loss": losses[-1],
-        "final_val_loss": val_losses[max(val_losses)],
-        "best_val_loss": min(val_losses.values()),
-        "best_val_step": min(val_losses, key=val_losses.get),
-        "sample": tok.decode(generated[0, len(start_ids):].tolist()),
-    }
-
-
-_LABELS = {"forward_s": "forward", "backward_s": "backward", "exposed_d2h_s": "exposed D2H",
-           "cpu_update_s": "CPU update", "exposed_h2d_s": "exposed H2D", "device_update_s": "device update",
-           "other_s": "other (data, sync, bookkeeping)", "step_s": "step total"}
-
-
-def format_summary(summary: dict) -> str:
-    """The summary as a small table, for the terminal."""
-    cfg = summary["config"]
-    step = summary["step_s"]
-    delayed = cfg.get("delay_updates_after")
-    nvme_bytes = summary.get("optimizer_nvme_bytes", 0)
-    on_nvme = f", {format_bytes(nvme_bytes)} on NVMe" if nvme_bytes else ""
-    lines = [f"{cfg['model']} GPT, {summary['num_params']:,} parameters, {cfg['precision']}, "
-             f"{'OffloadAdam (state on the host)' if cfg['offload'] else 'AdamW on the device (baseline)'}"
-             f"{'' if delayed is None else f', updates delayed one step after step {delayed}'}"
-             f"{''.join(f', hybrid {k} {cfg[k]}' for k in ('gpu_fraction', 'stride') if cfg.get(k) is not None)}, "
-             f"{cfg['device']} device",
-             f"mean step time over {summary['steps_timed']} steps (the first step is left out; median "
-             f"{summary['step_median_s'] * 1e3:.2f} ms):",
-             f"  {'phase':<32}{'ms':>9}{'share':>8}"]
-    for key, label in _LABELS.items():
-        if key == "device_update_s" and not summary[key] and cfg["offload"]:
-            continue
-        share = summary[key] / step if step else 0.0
-        lines.append(f"  {label:<32}{summary[key] * 1e3:>9.2f}{share:>8.0%}")
-    lines += [f"throughput          {summary['tokens_per_s']:,.0f} tokens/s",
-              f"device peak memory  {format_bytes(summary['device_peak_bytes'])}",
-              f"optimizer on host   {format_bytes(summary['optimizer_host_bytes'])} pinned{on_nvme}",
-              *([f"weights streamed    from {cfg['params_on']}, {cfg['prefetch']} ahead: "
-                 f"{format_bytes(summary['weights_bytes'])} of weights, "
-                 f"{summary['weights_over_device']:.1f}x the device's memory; at most "
-                 f"{format_bytes(summary['streamed_peak_bytes'])} of them on it"]
-                if "weights_bytes" in summary else []),
-              f"final loss          train {summary['final_train_loss']:.4f}, val {summary['final_val_loss']:.4f} "
-              f"(best val {summary['best_val_loss']:.4f} at step {summary['best_val_step']})",
-              f"sample ({len(summary['sample'])} characters):",
-              *("  | " + line for line in summary["sample"].split("\n"))]
-    return "\n".join(lines)

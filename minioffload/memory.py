@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from .layout import device_subgroups, pack_sizes
 from .ledger import Allocation, Event, Ledger, OutOfMemoryError  # noqa: F401  (chapters import them from here)
+from .shards import shard_owners
 from .units import GB, GiB, MiB, format_bytes  # noqa: F401
 from .units import require_positive as _require_positive
 
@@ -150,7 +151,7 @@ def footprint(precision: str = "mixed_bf16", optimizer: str = "adam", placement:
 
 def engine_bytes(numels: list[int], precision: str = "mixed_bf16", subgroup_numel: int = 1 << 22,
                  delay: bool = False, gpu_fraction: float | None = None, stride: int | None = None,
-                 nvme: bool = False, nvme_buffers: int = 3) -> dict[str, int]:
+                 nvme: bool = False, nvme_buffers: int = 3, ranks: int = 1) -> dict[str, int]:
     """Bytes `OffloadAdam` holds on each tier for parameters of `numels` elements, exactly: the per-parameter
     parts of `footprint` plus what is per subgroup (the NVMe tier's working sets, the hybrid path's scratch).
 
@@ -158,12 +159,21 @@ def engine_bytes(numels: list[int], precision: str = "mixed_bf16", subgroup_nume
     scratch sets of the largest streamed subgroup (state and gradient, 16 B/param each). host: pinned memory.
     nvme: the swapper's files (two versions of each subgroup's state, padded to 4 KiB). Refuses nothing the
     engine accepts; the kept small parameters of `min_offload_numel` are not modelled.
+
+    `ranks` > 1: the state sharded (shards.shard_owners), weights replicated: device bytes are each rank's, host and
+    nvme bytes the rank's that owns the most elements (every rank's own share of the host must hold its shard).
     """
     _require(precision, PRECISIONS, "precision")
     model_b = _MODEL_BYTES[precision]
     sizes = pack_sizes(list(numels), subgroup_numel)
     resident, streamed = device_subgroups(len(sizes), gpu_fraction, stride)
     on_cpu = [n for i, n in enumerate(sizes) if i not in set(resident) | set(streamed)]
+    if ranks != 1:
+        if resident or streamed:
+            raise ValueError(f"gpu_fraction/stride with ranks={ranks}: the hybrid update is modelled on one rank only")
+        owners = shard_owners(sizes, ranks)
+        heaviest = max(range(ranks), key=lambda r: sum(n for n, o in zip(sizes, owners, strict=True) if o == r))
+        on_cpu = [n for n, o in zip(sizes, owners, strict=True) if o == heaviest]
     state = 3 * 4  # fp32 master, exp_avg, exp_avg_sq
     device = sum(numels) * model_b + 16 * sum(sizes[i] for i in resident)
     device += 2 * 16 * max((sizes[i] for i in streamed), default=0)

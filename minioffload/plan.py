@@ -39,10 +39,10 @@ from . import memory, stepmodel
 from .activation_cost import POLICIES, BlockShape, policy_costs
 from .layout import pack_sizes
 from .plan_milp import Option, Problem, solve
-from .plan_report import best_per_family, table, why_slower
+from .plan_report import best_per_family, nothing_fits, relative, table, why_slower
 from .plan_types import HOMES, PLAN_PRECISIONS, ModelSpec, Plan
 from .profiles import ADAM_BYTES_PER_PARAM, Hardware
-from .units import format_bytes
+from .shards import _check_ranks, ring_bytes, shard_sizes
 
 PREFETCH_DEPTHS = (0, 1, 2, 3)
 # policies in the order blocks take them: the first blocks' activations wait longest for their backward
@@ -60,9 +60,14 @@ class NoPlanError(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """What the plan may use: bytes per tier (None: the profile's; nvme None: unbounded) and the batch."""
+    """What the plan may use: bytes per tier (None: the profile's; nvme None: unbounded) and the batch.
 
-    batch: int = 8  # sequences per optimizer step (micro_batch x grad_accum)
+    `ranks` > 1: that many processes, one device each (sharded offload): the optimizer state is split over them,
+    weights, gradients and activations are on every device. The batch and every byte limit are per rank: each rank
+    runs `batch` sequences per step, and `host_bytes`/`nvme_bytes` are one rank's share of the host (as a profile's
+    figures are)."""
+
+    batch: int = 8  # sequences per optimizer step and rank (micro_batch x grad_accum)
     device_bytes: float | None = None
     host_bytes: float | None = None
     nvme_bytes: float | None = None
@@ -72,8 +77,10 @@ class Limits:
     # Python): 0.1 ms is ~30 launches of 3-4 us on a GPU (an estimate); the sim's is measured (fit_compute)
     block_overhead_s: float = 1e-4
     micro_batches: tuple[int, ...] | None = None  # None: every divisor of batch
+    ranks: int = 1  # processes, one device and one share of the host each
 
     def __post_init__(self) -> None:
+        _check_ranks(self.ranks)
         if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
             raise ValueError(f"batch must be a positive int (sequences per step), got {self.batch!r}")
         for name in ("device_bytes", "host_bytes", "nvme_bytes"):
@@ -131,33 +138,37 @@ def _configs(model: ModelSpec, limits: Limits, capacity) -> list[_Config]:
     for optimizer_on in HOMES:
         if optimizer_on == "nvme" and not nvme_ok:
             continue
-        for params_on in (("device",) if optimizer_on == "device" else HOMES):
+        if optimizer_on == "device" and limits.ranks > 1:
+            continue  # train shards OffloadAdam's state; data parallel with torch's AdamW is not the runtime's
+        for params_on in (("device",) if optimizer_on == "device" or limits.ranks > 1 else HOMES):
+            # ranks > 1: the sharded engine keeps the weights on every device (plan_report.NOT_WITH_RANKS)
             if params_on == "nvme" and (not nvme_ok or optimizer_on == "host"):
                 continue  # train keeps the optimizer's state in the same NVMe directory as the weights
             depths = PREFETCH_DEPTHS if params_on != "device" else (0,)
             resident_offload = optimizer_on == "host" and params_on == "device"
-            for delay, hybrid in ((False, False), (True, False), (False, True)) if resident_offload else \
-                    ((False, False),):
+            splits = ((False, False), (True, False), (False, True)) if resident_offload else ((False, False),)
+            for delay, hybrid in splits[:1] if limits.ranks > 1 else splits:  # the sharded update is synchronous
                 sizes = subgroup_sizes(model) if optimizer_on != "device" else (1 << 22,)
                 out += [_Config(optimizer_on, params_on, k, delay, hybrid, s, m)
                         for k in depths for s in sizes for m in micro]
     return out
 
 
-def _step_config(c: _Config, mfu: float, gpu_fraction: float | None) -> stepmodel.StepConfig:
+def _step_config(c: _Config, mfu: float, gpu_fraction: float | None, ranks: int = 1) -> stepmodel.StepConfig:
     return stepmodel.StepConfig(offload=c.optimizer_on != "device", subgroup_numel=c.subgroup_numel, delay=c.delay,
                                 gpu_fraction=gpu_fraction, nvme=c.optimizer_on == "nvme", clip=True, mfu=mfu,
-                                params_on=c.params_on, prefetch=max(c.prefetch, 0))
+                                params_on=c.params_on, prefetch=max(c.prefetch, 0), ranks=ranks)
 
 
-def _state_bytes(model: ModelSpec, c: _Config, precision: str) -> dict[str, float]:
-    """Bytes per tier of weights, gradients and optimizer state (no activations, no hybrid state)."""
+def _state_bytes(model: ModelSpec, c: _Config, precision: str, ranks: int = 1) -> dict[str, float]:
+    """Bytes per tier of weights, gradients and optimizer state (no activations, no hybrid state), per rank: with
+    the optimizer on the device every rank holds all of it (data parallel), offloaded the largest shard."""
     if c.optimizer_on == "device":
         fp = memory.footprint(precision, "adam", "device")
         return {"device": fp.bytes(model.num_params, "device"), "host": 0, "nvme": 0}
     if c.params_on == "device":
         return memory.engine_bytes(tensor_numels(model), precision, c.subgroup_numel, delay=c.delay,
-                                   nvme=c.optimizer_on == "nvme")
+                                   nvme=c.optimizer_on == "nvme", ranks=ranks)
     return memory.streamed_bytes(model.num_params, model.n_layer, model.resident_params, c.params_on, c.prefetch,
                                  precision, nvme=c.optimizer_on == "nvme", subgroup_numel=c.subgroup_numel)
 
@@ -192,7 +203,8 @@ def _problem(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capacit
 def _compute_s(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits) -> float:
     """One micro-batch's forward and backward: 6 N T FLOPs at the profile's peak x mfu, and each block's overhead."""
     flops = 6 * model.num_params * c.micro_batch * model.seq_len
-    return flops / (hw.peak_flops(limits.precision) * limits.mfu) + model.n_layer * limits.block_overhead_s
+    share = limits.ranks if hw.shared_host else 1  # the sim: every rank computes on the same cores
+    return share * flops / (hw.peak_flops(limits.precision) * limits.mfu) + model.n_layer * limits.block_overhead_s
 
 
 def fit_compute(seconds: dict[int, float], model: ModelSpec) -> tuple[float, float]:
@@ -219,9 +231,10 @@ def _accumulation_s(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits) 
     if c.optimizer_on == "device":
         return compute
     compute += model.num_tensors * hw.copy_overhead  # the hooks issue every gradient's copy again
-    grads = model.num_params * mb / hw.link_d2h
-    summed = model.num_params * (stepmodel.ACCUMULATE_BYTES + mb) / hw.host_bandwidth
-    moves = [grads, summed]
+    own = _own_fraction(model, c, limits.ranks)  # ranks > 1: each gradient reduced, its owner copies and sums it
+    grads = own * model.num_params * mb / hw.link_d2h
+    summed = own * model.num_params * (stepmodel.ACCUMULATE_BYTES + mb) / hw.host_bandwidth
+    moves = [grads, summed, ring_bytes("reduce", model.num_params * mb, limits.ranks) / hw.interconnect]
     if c.params_on != "device":  # every block comes up again, twice (forward and backward)
         blocks = 2 * model.n_layer * model.block_params * mb
         moves.append(blocks / hw.link_h2d)
@@ -230,11 +243,19 @@ def _accumulation_s(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits) 
     return compute + summed if hw.shared_host else max(compute, *moves)
 
 
+def _own_fraction(model: ModelSpec, c: _Config, ranks: int) -> float:
+    """The share of the parameters the busiest rank owns (1 with one rank)."""
+    if ranks == 1:
+        return 1.0
+    sizes = pack_sizes(tensor_numels(model), c.subgroup_numel)
+    return max(shard_sizes(sizes, ranks)) / sum(sizes)
+
+
 def _evaluate(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capacity, name: str
               ) -> tuple[Plan | None, dict[str, float]]:
     """A plan for one configuration, or None and the bytes it lacks per tier."""
     accum = limits.batch // c.micro_batch
-    base = _state_bytes(model, c, limits.precision)
+    base = _state_bytes(model, c, limits.precision, limits.ranks)
     problem, fixed = _problem(model, hw, c, limits, capacity, base, accum)
     lightest = min(o.device_bytes * model.n_layer + o.in_flight_bytes for o in problem.options)
     short = {"device": base["device"] + fixed + lightest - capacity["device"],
@@ -256,15 +277,19 @@ def _evaluate(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capaci
     offloaded = sum(o.host_bytes * solution.counts.get(o.name, 0) for o in problem.options)
     work = stepmodel.Workload(model.num_params, c.micro_batch * model.seq_len, limits.precision, model.num_tensors,
                               False, model.n_layer, model.resident_params)
-    prediction = stepmodel.predict(work, hw, _step_config(c, limits.mfu, gpu_fraction))
+    prediction = stepmodel.predict(work, hw, _step_config(c, limits.mfu, gpu_fraction, limits.ranks))
     extra = sum(o.extra_s * solution.counts.get(o.name, 0) for o in problem.options)  # already x accum
     overhead = model.n_layer * limits.block_overhead_s  # the first micro-batch's (predict counts FLOPs only)
     step_s = prediction.step_s + overhead + extra + (accum - 1) * _accumulation_s(model, hw, c, limits)
     busy = dict(prediction.busy)  # one micro-batch's lanes; the others' compute and gradient copies added
     busy["compute"] = busy.get("compute", 0.0) + overhead + extra + (accum - 1) * _compute_s(model, hw, c, limits)
     if c.optimizer_on != "device" and accum > 1:
-        busy["d2h"] = busy.get("d2h", 0.0) + (accum - 1) * model.num_params * (2 if limits.precision != "fp32" else 4) \
-            / hw.link_d2h
+        mb = 2 if limits.precision != "fp32" else 4
+        busy["d2h"] = busy.get("d2h", 0.0) + (accum - 1) * _own_fraction(model, c, limits.ranks) * model.num_params \
+            * mb / hw.link_d2h
+        if limits.ranks > 1:
+            busy["net"] = busy.get("net", 0.0) + (accum - 1) * ring_bytes("reduce", model.num_params * mb,
+                                                                         limits.ranks) / hw.interconnect
     used = {"device": base["device"] + held + fixed, "host": base["host"] + offloaded, "nvme": base["nvme"]}
     bound = prediction.bound
     if accum > 1:  # the other micro-batches' lanes count: the busiest resource (stepmodel's: one drive, one host)
@@ -275,19 +300,19 @@ def _evaluate(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capaci
         bound = max(per_resource, key=per_resource.get)
     plan = Plan(model, name, limits.precision, c.micro_batch, accum, c.optimizer_on, c.params_on, policies,
                 c.prefetch, c.subgroup_numel, c.delay, gpu_fraction, step_s, {k: round(v) for k, v in used.items()},
-                bound, busy, dict(capacity))
+                bound, busy, dict(capacity), limits.ranks)
     return plan, {}
 
 
 def prediction(p: Plan, hw: Hardware, limits: Limits | None = None) -> stepmodel.Prediction:
     """stepmodel's prediction of one micro-batch's step of plan `p` (its timeline, for a figure beside a measured
     trace); `p.step_s` adds the policies' time and the other micro-batches to it."""
-    limits = limits or Limits(batch=p.micro_batch * p.grad_accum, precision=p.precision)
+    limits = limits or Limits(batch=p.micro_batch * p.grad_accum, precision=p.precision, ranks=p.ranks)
     c = _Config(p.optimizer_on, p.params_on, p.prefetch, p.delay, p.gpu_fraction is not None, p.subgroup_numel,
                 p.micro_batch)
     work = stepmodel.Workload(p.model.num_params, p.micro_batch * p.model.seq_len, p.precision, p.model.num_tensors,
                               False, p.model.n_layer, p.model.resident_params)
-    return stepmodel.predict(work, hw, _step_config(c, limits.mfu, p.gpu_fraction))
+    return stepmodel.predict(work, hw, _step_config(c, limits.mfu, p.gpu_fraction, p.ranks))
 
 
 def search(model: ModelSpec, hw: Hardware, limits: Limits | None = None,
@@ -307,7 +332,7 @@ def search(model: ModelSpec, hw: Hardware, limits: Limits | None = None,
         if key not in fitted or len([p for p in plans if _key(p) == key]) < 2:
             plan, lacks = _evaluate(model, hw, c, limits, capacity, hw.name)
             if plan is None:
-                if _relative(lacks, capacity) < _relative(short, capacity):
+                if relative(lacks, capacity) < relative(short, capacity):
                     short, closest = {tier: max(0.0, v) for tier, v in lacks.items()}, c
             else:
                 fitted.add(key)
@@ -315,7 +340,7 @@ def search(model: ModelSpec, hw: Hardware, limits: Limits | None = None,
         if progress is not None:
             progress(done, len(configs))
     if not plans:
-        raise NoPlanError(_nothing_fits(model, hw, limits, capacity, short, closest), short)
+        raise NoPlanError(nothing_fits(model, hw, limits, capacity, short, closest), short)
     unique = {}
     for plan in plans:  # the hybrid solver may choose no split: the same plan as without it
         unique.setdefault((plan.describe(), plan.subgroup_numel), plan)
@@ -325,29 +350,6 @@ def search(model: ModelSpec, hw: Hardware, limits: Limits | None = None,
 def _key(plan: Plan) -> _Config:
     return _Config(plan.optimizer_on, plan.params_on, plan.prefetch, plan.delay, plan.gpu_fraction is not None,
                    plan.subgroup_numel, 0)
-
-
-def _relative(short: dict[str, float], capacity) -> float:
-    """How far a configuration is from fitting: its shortfalls over the capacities, summed."""
-    return sum(max(0.0, v) / max(capacity[t] or 1.0, 1.0) for t, v in short.items())
-
-
-def _nothing_fits(model: ModelSpec, hw: Hardware, limits: Limits, capacity, short: dict[str, float],
-                  closest: _Config | None) -> str:
-    lacking = [f"{format_bytes(short[t])} more {t} memory" if t != "nvme" else f"{format_bytes(short[t])} more NVMe"
-               for t in HOMES if short.get(t, 0) > 0]
-    have = ", ".join(f"{t} {format_bytes(v)}" if v is not None else f"{t} unbounded" for t, v in capacity.items())
-    what = ""
-    if closest is not None:
-        what = (f" (optimizer on {closest.optimizer_on}, weights on {closest.params_on}, micro-batch "
-                f"{closest.micro_batch})")
-    hint = ""
-    if short.get("host", 0) > 0 and closest is not None and closest.optimizer_on != "device":
-        hint = (" The offloaded optimizer keeps every gradient in pinned host memory (6 B/param for 16-bit "
-                "weights), and its state there unless it is on NVMe.")
-    return (f"no configuration of the runtime trains the {model} on {hw.name} with a batch of {limits.batch} "
-            f"({have}): the closest{what} needs {' and '.join(lacking) or 'more memory'}.{hint} Give more memory "
-            "(--host-gb, --nvme-gb), a smaller batch or context, or a larger device")
 
 
 def train_config(plan: Plan, **overrides):
@@ -368,6 +370,8 @@ def train_config(plan: Plan, **overrides):
     options = OffloadOptions(subgroup_numel=plan.subgroup_numel, max_grad_norm=1.0,
                              delay_updates_after=0 if plan.delay else None, gpu_fraction=plan.gpu_fraction)
     activations = plan.activations[0] if len(set(plan.activations)) == 1 else ",".join(plan.activations)
+    if plan.ranks > 1:  # run under `torchrun --nproc-per-node {plan.ranks}`: the ranks come from torchrun
+        overrides["shard"] = True
     return TrainConfig(model=plan.model.preset, block_size=plan.model.seq_len, batch_size=plan.micro_batch,
                        grad_accum=plan.grad_accum, precision="fp32" if plan.precision == "fp32" else "bf16",
                        offload=plan.optimizer_on != "device", optimizer=options, activations=activations,

@@ -31,8 +31,10 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
     pl.add_argument("--seq-len", type=int, default=None, help="context length (default: 2048, or the preset's)")
     pl.add_argument("--batch", type=int, default=8, help="sequences per optimizer step (micro-batch x accumulation)")
     pl.add_argument("--hardware", default="h100-sxm",
-                    help=f"a preset ({', '.join([*profiles.PRESETS, *profiles.PAPER_PRESETS])}) or 'sim' (this "
-                         "machine's simulated device, measured)")
+                    help=f"a preset ({', '.join([*profiles.PRESETS, *profiles.PAPER_PRESETS, *profiles.NODE_PRESETS])})"
+                         " or 'sim' (this machine's simulated device, measured)")
+    pl.add_argument("--ranks", type=int, default=1, help="processes, one GPU each: the optimizer state sharded over "
+                    "them, weights replicated; --batch, --host-gb and --nvme-gb are per rank")
     pl.add_argument("--device-memory", type=bytes_arg, default=None, metavar="SIZE",
                     help="device memory to plan for (default: the profile's; the sim's 4 GiB)")
     pl.add_argument("--host-gb", type=float, default=None, help="host memory for pinned buffers, GB (default: the "
@@ -55,9 +57,10 @@ def plan_command(args: argparse.Namespace) -> int:
 
     hw, spec, limits = args.hardware_profile, args.spec, args.limits
     capacity = limits.capacity(hw)
-    print(f"{spec} on {hw.name}, {limits.batch} sequences per step, {limits.precision}")
-    print("memory: " + ", ".join(f"{t} {memory.format_bytes(v)}" if v is not None else f"{t} unbounded"
-                                 for t, v in capacity.items()) + "\n")
+    ranks = f" on each of {limits.ranks} ranks" if limits.ranks > 1 else ""
+    print(f"{spec} on {hw.name}, {limits.batch} sequences per step{ranks}, {limits.precision}")
+    print(("memory per rank: " if limits.ranks > 1 else "memory: ") + ", ".join(
+        f"{t} {memory.format_bytes(v)}" if v is not None else f"{t} unbounded" for t, v in capacity.items()) + "\n")
     plans = planner.search(spec, hw, limits)
     shown = planner.best_per_family(plans)[:args.top]
     print(planner.table(shown))
@@ -114,11 +117,11 @@ def check_plan_args(args: argparse.Namespace, pl: argparse.ArgumentParser) -> No
             args.spec = planner.ModelSpec.of_params(args.params or 7e9, args.seq_len or 2048)
         precision = args.precision or ("fp32" if args.model else "mixed_bf16")
         args.limits = planner.Limits(
-            batch=args.batch, device_bytes=args.device_memory, precision=precision, mfu=args.mfu,
+            batch=args.batch, device_bytes=args.device_memory, precision=precision, mfu=args.mfu, ranks=args.ranks,
             host_bytes=None if args.host_gb is None else args.host_gb * memory.GB,
             nvme_bytes=None if args.nvme_gb is None else args.nvme_gb * memory.GB)
     except ValueError as err:
-        pl.error(re.sub(r"^(batch|mfu|precision)\b", lambda m: "--" + m[1], str(err)))
+        pl.error(re.sub(r"^(batch|mfu|precision|ranks)\b", lambda m: "--" + m[1], str(err)))
     if hw is None:
         from .device_sim import SimDevice
 

@@ -1,4 +1,5 @@
-"""Reading a planner's results: the best plan of each kind, the plans as a table, and what a runner-up loses on.
+"""Reading a planner's results: the best plan of each kind, the plans as a table, what a runner-up loses on, and why
+nothing fits.
 
     print(table(best_per_family(plans)))
     why_slower(plans[0], plans[3])      # "1.31x the step (bound by nvme; nvme_read busy 3.2 s vs 0 s; ...)"
@@ -10,8 +11,12 @@ from __future__ import annotations
 
 import math
 
-from .plan_types import Plan
+from .plan_types import HOMES, Plan
 from .units import format_bytes
+
+NOT_WITH_RANKS = ("with ranks > 1 only the sharded engine is planned (train's shard): the optimizer offloaded, the "
+                  "weights on every device, the synchronous update; streamed weights, the delayed and hybrid updates "
+                  "and torch's AdamW on the device are not")
 
 
 def why_slower(best: Plan, other: Plan) -> str:
@@ -49,3 +54,28 @@ def table(plans: list[Plan]) -> str:
                      f"{format_bytes(p.memory['host']):>10} {format_bytes(p.memory['nvme']):>10}  {p.bound:<12} "
                      f"{p.describe()}")
     return "\n".join(lines)
+
+
+def relative(short: dict[str, float], capacity) -> float:
+    """How far a configuration is from fitting: its shortfalls over the capacities, summed."""
+    return sum(max(0.0, v) / max(capacity[t] or 1.0, 1.0) for t, v in short.items())
+
+
+def nothing_fits(model, hw, limits, capacity, short: dict[str, float], closest) -> str:
+    """plan.search's message when nothing fits: what the closest configuration (a plan._Config, or None) lacks."""
+    lacking = [f"{format_bytes(short[t])} more {t} memory" if t != "nvme" else f"{format_bytes(short[t])} more NVMe"
+               for t in HOMES if short.get(t, 0) > 0]
+    have = ", ".join(f"{t} {format_bytes(v)}" if v is not None else f"{t} unbounded" for t, v in capacity.items())
+    what = ""
+    if closest is not None:
+        what = (f" (optimizer on {closest.optimizer_on}, weights on {closest.params_on}, micro-batch "
+                f"{closest.micro_batch})")
+    hint = ""
+    if short.get("host", 0) > 0 and closest is not None and closest.optimizer_on != "device":
+        hint = (" The offloaded optimizer keeps every gradient in pinned host memory (6 B/param for 16-bit "
+                "weights), and its state there unless it is on NVMe.")
+    if limits.ranks > 1:
+        hint += f" With {limits.ranks} ranks each rank's memory is its own share; {NOT_WITH_RANKS}."
+    return (f"no configuration of the runtime trains the {model} on {hw.name} with a batch of {limits.batch} "
+            f"({have}): the closest{what} needs {' and '.join(lacking) or 'more memory'}.{hint} Give more memory "
+            "(--host-gb, --nvme-gb), a smaller batch or context, or a larger device")

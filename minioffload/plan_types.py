@@ -13,7 +13,8 @@ A `Plan` names where each part of the training state lives:
     optimizer     optimizer_on   "device" (torch AdamW) | "host" (OffloadAdam) | "nvme" (its NVMe tier, chapter 6)
     activations   activations    one chapter 7 policy per block
 
-and how the update runs (`gpu_fraction` of the optimizer's subgroups updated on the device, chapter 5; `delay`,
+on `ranks` processes (one device each: the optimizer state sharded over them, `memory` per rank), and how the update
+runs (`gpu_fraction` of the optimizer's subgroups updated on the device, chapter 5; `delay`,
 chapter 4), the prefetch depth, the subgroup size and the batch (micro_batch sequences x grad_accum).
 
 What this is not: the search (plan.py), nor a check of this machine (doctor.py).
@@ -122,6 +123,7 @@ class Plan:
     bound: str = ""  # the resource that sets the step's length (stepmodel.Prediction.bound)
     busy: dict = field(default_factory=dict)  # lane -> predicted busy seconds per step (stepmodel's lanes)
     capacity: dict = field(default_factory=dict)  # tier -> bytes the plan was made for (None: unbounded)
+    ranks: int = 1  # processes, one device each: the optimizer state sharded over them (memory and capacity per rank)
 
     def __post_init__(self) -> None:
         if self.precision not in PLAN_PRECISIONS:
@@ -132,6 +134,13 @@ class Plan:
         if len(self.activations) != self.model.n_layer or any(p not in POLICIES for p in self.activations):
             raise ValueError(f"Plan.activations must name one policy of {', '.join(POLICIES)} per block "
                              f"({self.model.n_layer}), got {self.activations!r}")
+        if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
+            raise ValueError(f"Plan.ranks must be an int >= 1, got {self.ranks!r}")
+        if self.ranks > 1 and (self.optimizer_on == "device" or self.params_on != "device" or self.delay
+                               or self.gpu_fraction):
+            raise ValueError(f"Plan: ranks={self.ranks} shards the offloaded optimizer with every weight on each "
+                             "device and the synchronous update: optimizer_on 'host' or 'nvme', params_on 'device', no "
+                             "delay or gpu_fraction")
         if self.optimizer_on == "device" and (self.params_on != "device" or self.delay or self.gpu_fraction):
             raise ValueError("Plan: streamed weights, the delayed update and gpu_fraction need the optimizer "
                              "offloaded (optimizer_on 'host' or 'nvme')")
@@ -142,7 +151,8 @@ class Plan:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.micro_batch * self.grad_accum * self.model.seq_len
+        """Tokens of one step of the whole job: every rank's micro-batches."""
+        return self.micro_batch * self.grad_accum * self.model.seq_len * self.ranks
 
     @property
     def tokens_per_s(self) -> float:
@@ -162,6 +172,9 @@ class Plan:
         if self.delay:
             knobs.append("delayed update")
         knobs.append(f"batch {self.micro_batch} x {self.grad_accum}")
+        if self.ranks > 1:
+            knobs.append(f"{self.ranks} ranks" + (" (optimizer state sharded)" if self.optimizer_on != "device" else
+                                                  " (data parallel)"))
         return ", ".join(knobs)
 
     def activations_line(self) -> str:

@@ -5,6 +5,7 @@
     hw.cite("link_h2d")                     # where that figure comes from
     here = profiles.probe()                 # this machine: the simulated device plus measured host figures
     profiles.preset("v100-dgx2")            # also the machines of published setups (PAPER_PRESETS)
+    profiles.preset("4xgh200").interconnect  # and whole nodes (NODE_PRESETS): B/s between GPUs, per GPU
 
 A `Hardware` profile describes ONE device and the part of a host it can count on: in an 8-GPU server,
 one GPU, its own PCIe link, an eighth of the host's memory and an even share of its cores, memory
@@ -14,6 +15,11 @@ Memory sizes are bytes as the vendor sells them (decimal GB for GPUs, binary GiB
 Link figures come in two kinds: `link_theoretical` is the signalling rate of the slot (PCIe Gen4 x16:
 16 GT/s x 16 lanes x 128/130 / 8 = 31.5 GB/s per direction); `link_h2d`/`link_d2h` are what a pinned copy
 achieves, which is the figure a model of the step must use.
+
+`interconnect` is what a ring collective between GPUs achieves per GPU, as NCCL's tests report it ("busbw": for
+an all-reduce of S bytes taking t, 2 (N - 1) / N x S / t): the bytes one rank sends (shards.ring_bytes) over it
+give a collective's time. `gpus_per_node` GPUs reach each other at that rate (NVLink, PCIe); the node presets
+(NODE_PRESETS) name whole nodes, and "gh200-ib" superchips one per node on InfiniBand.
 
 Figures marked "estimate" in their source were not measured by us or stated by a vendor in that form:
 they are derived (a fraction of a theoretical peak, or per-GPU shares of a server) and say how.
@@ -36,7 +42,7 @@ FIGURES = {
     "device_memory": "B", "device_bandwidth": "B/s", "peak_flops_bf16": "FLOP/s", "peak_flops_fp32": "FLOP/s",
     "device_adam_rate": "params/s", "link_theoretical": "B/s", "link_h2d": "B/s", "link_d2h": "B/s",
     "link_latency": "s", "copy_overhead": "s", "host_memory": "B", "host_bandwidth": "B/s", "cpu_adam_rate": "params/s",
-    "nvme_read": "B/s", "nvme_write": "B/s", "cores": "",
+    "nvme_read": "B/s", "nvme_write": "B/s", "cores": "", "interconnect": "B/s", "gpus_per_node": "",
 }
 
 ADAM_BYTES_PER_PARAM = 28  # fp32 AdamW: reads param, grad, exp_avg, exp_avg_sq; writes param, exp_avg, exp_avg_sq
@@ -64,6 +70,8 @@ class Hardware:
     nvme_read: float  # B/s
     nvme_write: float  # B/s
     cores: int
+    interconnect: float  # B/s per GPU: the bus bandwidth a ring collective achieves between GPUs (NCCL's busbw)
+    gpus_per_node: int  # GPUs that share the host and reach each other at `interconnect`
     shared_host: bool = False  # the "device" computes on the host's cores and DRAM (the simulated device)
     sources: dict = field(default_factory=dict, compare=False)  # figure -> where it comes from
 
@@ -164,6 +172,32 @@ _SRC = {
                  "shared by 16 GPUs: an eighth of a socket per GPU",
     "nvme_dgx2": "estimate: DGX-2 datasheet's 8 x 3.84 TB NVMe data drives for 16 GPUs (half a drive each); a PCIe "
                  "Gen3 x4 data-centre drive taken at ~3 GB/s read and ~2 GB/s write sequential",
+    # between GPUs: `interconnect` (a ring collective's bus bandwidth per GPU) and `gpus_per_node`
+    "nvlink4": "estimate: NVIDIA H100/H200 SXM datasheets: NVLink 4 at 900 GB/s per GPU (both directions) = 450 GB/s "
+               "each way through NVSwitch; a ring collective's busbw taken as ~80% of it: 360 GB/s",
+    "nvlink3": "estimate: NVIDIA A100 SXM datasheet: NVLink 3 at 600 GB/s per GPU (both directions) = 300 GB/s each "
+               "way through NVSwitch; ~80% of it: 240 GB/s",
+    "nvlink2": "estimate: NVIDIA V100 SXM datasheet and DGX-2 datasheet: NVLink 2 at 300 GB/s per GPU (both "
+               "directions) = 150 GB/s each way through NVSwitch; ~80% of it: 120 GB/s",
+    "pcie4_p2p": "estimate: PCIe peer-to-peer between the node's A100 PCIe cards through the socket's root complex (no "
+                 "NVLink bridges): a ring is held to one Gen4 x16 direction, taken at its ~80% achieved, 25 GB/s",
+    "staged_4090": "estimate: host-staged (GeForce RTX 40 cards have no PCIe peer-to-peer): each hop a D2H then an H2D "
+                   "through pinned host memory, pipelined, ~half the achieved Gen4 x16 link: 12.5 GB/s (a what-if: the "
+                   "workstation has one GPU)",
+    "staged_laptop": "estimate: a laptop has one GPU; a what-if second one host-staged at ~half the achieved Gen4 x8 "
+                     "link: 6.25 GB/s",
+    "ib_ndr": "estimate: one InfiniBand NDR 400 Gb/s NIC per GH200 superchip = 50 GB/s each way; a ring across "
+              "nodes taken at ~80% of it: 40 GB/s",
+    "gh200_nvlink": "estimate: a 4-GH200 node (e.g. HPE Cray EX254n): each H100's 18 NVLink 4 links (450 GB/s each "
+                    "way) split 6 per peer, 150 GB/s each way per pair; one ring uses one pair each way, NCCL's "
+                    "several rings use more: taken as ~80% of two peers' links, 0.8 x 300 = 240 GB/s",
+    "gpus_dgx_h100": "NVIDIA DGX H100/H200 datasheets: 8 GPUs per node",
+    "gpus_pcie_node": "estimate: the PCIe Gen4 node above, 4 GPUs",
+    "gpus_one": "one GPU in the machine",
+    "gpus_gh200": "NVIDIA GH200 datasheet: one H100 per Grace CPU; superchips one per node, linked by InfiniBand",
+    "gpus_4xgh200": "estimate: a 4-GH200 node (e.g. HPE Cray EX254n: 4 superchips on NVLink)",
+    "gpus_dgx_a100": "NVIDIA DGX A100 datasheet: 8 GPUs per node",
+    "gpus_dgx2": "NVIDIA DGX-2 datasheet: 16 GPUs per node",
 }
 
 
@@ -172,7 +206,8 @@ def _share(value: float, gpus_per_socket: float) -> float:
 
 
 def _preset(name: str, description: str, *, device_memory, device_bandwidth, bf16, fp32, link_theoretical,
-            link_achieved, host_memory, host_bandwidth, nvme_read, nvme_write, cores, src: dict) -> Hardware:
+            link_achieved, host_memory, host_bandwidth, nvme_read, nvme_write, cores, interconnect, gpus_per_node,
+            src: dict) -> Hardware:
     """A preset from its figures; the derived ones (device and CPU Adam rates) computed and cited here."""
     sources = {figure: _SRC[key] for figure, key in src.items()}
     sources.setdefault("link_latency", _SRC["latency"])
@@ -188,7 +223,8 @@ def _preset(name: str, description: str, *, device_memory, device_bandwidth, bf1
         copy_overhead=5e-6,
         host_memory=host_memory, host_bandwidth=host_bandwidth,
         cpu_adam_rate=0.8 * host_bandwidth / ADAM_BYTES_PER_PARAM,
-        nvme_read=nvme_read, nvme_write=nvme_write, cores=cores, sources=sources)
+        nvme_read=nvme_read, nvme_write=nvme_write, cores=cores, interconnect=interconnect,
+        gpus_per_node=gpus_per_node, sources=sources)
 
 
 def _presets() -> dict[str, Hardware]:
@@ -196,18 +232,20 @@ def _presets() -> dict[str, Hardware]:
     # H100 and H200 SXM: the same compute, the same DGX-like node (a quarter socket, a drive per GPU)
     hopper_node = dict(bf16=989e12, fp32=67e12, link_theoretical=63 * GB, link_achieved=50 * GB,
                        host_memory=256 * GiB, host_bandwidth=_share(0.7 * 307.2 * GB, 4), nvme_read=7.0 * GB,
-                       nvme_write=3.8 * GB, cores=14)
+                       nvme_write=3.8 * GB, cores=14, interconnect=0.8 * 450 * GB, gpus_per_node=8)
     hopper_src = {"link_theoretical": "pcie5", "link_h2d": "pcie5_achieved", "host_memory": "dgx_h100",
                   "host_bandwidth": "spr_8480", "cores": "spr_8480", "nvme_read": "nvme_dc_gen4",
-                  "nvme_write": "nvme_dc_gen4"}
+                  "nvme_write": "nvme_dc_gen4", "interconnect": "nvlink4", "gpus_per_node": "gpus_dgx_h100"}
     out = [
         _preset("a100-pcie", "A100 80GB PCIe in a PCIe Gen4 node (4 GPUs on one EPYC 7763 socket)",
                 device_memory=80 * GB, device_bandwidth=1935 * GB, bf16=312e12, fp32=19.5e12,
                 link_theoretical=31.5 * GB, link_achieved=25 * GB, host_memory=256 * GiB,
                 host_bandwidth=_share(0.7 * 204.8 * GB, 4), nvme_read=7.0 * GB, nvme_write=3.8 * GB, cores=16,
+                interconnect=25 * GB, gpus_per_node=4,
                 src={**dict.fromkeys(gpu, "a100"), "link_theoretical": "pcie4", "link_h2d": "pcie4_achieved",
                      "host_memory": "dgx_a100", "host_bandwidth": "epyc_7763", "cores": "epyc_7763",
-                     "nvme_read": "nvme_dc_gen4", "nvme_write": "nvme_dc_gen4"}),
+                     "nvme_read": "nvme_dc_gen4", "nvme_write": "nvme_dc_gen4", "interconnect": "pcie4_p2p",
+                     "gpus_per_node": "gpus_pcie_node"}),
         _preset("h100-sxm", "H100 SXM5 80GB in a DGX H100-like node (PCIe Gen5 host link; 8 GPUs, 2 sockets)",
                 device_memory=80 * GB, device_bandwidth=3350 * GB, **hopper_node, src={**hopper_src, **dict.fromkeys(
                     gpu, "h100")}),
@@ -218,23 +256,29 @@ def _presets() -> dict[str, Hardware]:
                 device_memory=96 * GB, device_bandwidth=4000 * GB, bf16=989e12, fp32=67e12,
                 link_theoretical=450 * GB, link_achieved=0.85 * 450 * GB, host_memory=480 * GB,
                 host_bandwidth=0.8 * 512 * GB, nvme_read=7.0 * GB, nvme_write=3.8 * GB, cores=72,
+                interconnect=0.8 * 50 * GB, gpus_per_node=1,
                 src={**dict.fromkeys(gpu, "gh200"), "link_theoretical": "gh200", "link_h2d": "c2c_achieved",
                      "host_memory": "gh200_host", "host_bandwidth": "grace", "cores": "gh200_host",
-                     "nvme_read": "nvme_dc_gen4", "nvme_write": "nvme_dc_gen4"}),
+                     "nvme_read": "nvme_dc_gen4", "nvme_write": "nvme_dc_gen4", "interconnect": "ib_ndr",
+                     "gpus_per_node": "gpus_gh200"}),
         _preset("rtx4090", "RTX 4090 24GB workstation (PCIe Gen4 x16, 16-core desktop CPU)",
                 device_memory=24 * GB, device_bandwidth=1008 * GB, bf16=165.2e12, fp32=82.6e12,
                 link_theoretical=31.5 * GB, link_achieved=25 * GB, host_memory=128 * GiB,
                 host_bandwidth=0.7 * 89.6 * GB, nvme_read=7.45 * GB, nvme_write=6.9 * GB, cores=16,
+                interconnect=12.5 * GB, gpus_per_node=1,
                 src={**dict.fromkeys(gpu, "rtx4090"), "link_theoretical": "pcie4", "link_h2d": "pcie4_achieved",
                      "host_memory": "workstation", "host_bandwidth": "ryzen_7950x", "cores": "ryzen_7950x",
-                     "nvme_read": "nvme_990pro", "nvme_write": "nvme_990pro"}),
+                     "nvme_read": "nvme_990pro", "nvme_write": "nvme_990pro", "interconnect": "staged_4090",
+                     "gpus_per_node": "gpus_one"}),
         _preset("laptop", "a gaming laptop: RTX 4060 Laptop GPU 8GB on PCIe Gen4 x8, 8 cores, 32 GiB",
                 device_memory=8 * GB, device_bandwidth=256 * GB, bf16=165.2e12 * 24 * 2.0 / (128 * 2.52),
                 fp32=82.6e12 * 24 * 2.0 / (128 * 2.52), link_theoretical=15.75 * GB, link_achieved=12.5 * GB,
                 host_memory=32 * GiB, host_bandwidth=0.65 * 83.2 * GB, nvme_read=5 * GB, nvme_write=4 * GB, cores=8,
+                interconnect=6.25 * GB, gpus_per_node=1,
                 src={**dict.fromkeys(gpu, "rtx4060l"), "link_theoretical": "pcie4x8", "link_h2d": "pcie4x8_achieved",
                      "host_memory": "laptop", "host_bandwidth": "laptop_host", "cores": "laptop",
-                     "nvme_read": "nvme_laptop", "nvme_write": "nvme_laptop"}),
+                     "nvme_read": "nvme_laptop", "nvme_write": "nvme_laptop", "interconnect": "staged_laptop",
+                     "gpus_per_node": "gpus_one"}),
     ]
     return {hw.name: hw for hw in out}
 
@@ -246,46 +290,81 @@ def _paper_presets() -> dict[str, Hardware]:
                 device_memory=80 * GB, device_bandwidth=2039 * GB, bf16=312e12, fp32=19.5e12,
                 link_theoretical=31.5 * GB, link_achieved=25 * GB, host_memory=256 * GiB,
                 host_bandwidth=_share(0.7 * 204.8 * GB, 4), nvme_read=7.0 * GB, nvme_write=3.8 * GB, cores=16,
+                interconnect=0.8 * 300 * GB, gpus_per_node=8,
                 src={**dict.fromkeys(gpu, "a100_sxm"), "link_theoretical": "pcie4", "link_h2d": "pcie4_achieved",
                      "host_memory": "dgx_a100_host", "host_bandwidth": "epyc_7742", "cores": "dgx_a100_host",
-                     "nvme_read": "nvme_dgx_a100", "nvme_write": "nvme_dgx_a100"}),
+                     "nvme_read": "nvme_dgx_a100", "nvme_write": "nvme_dgx_a100", "interconnect": "nvlink3",
+                     "gpus_per_node": "gpus_dgx_a100"}),
         _preset("v100-dgx2", "V100 SXM 32GB, one GPU's share of a DGX-2 (PCIe Gen3 host link; 16 GPUs, 2 sockets)",
                 device_memory=32 * GB, device_bandwidth=900 * GB, bf16=125e12, fp32=15.7e12,
                 link_theoretical=15.75 * GB, link_achieved=12.6 * GB, host_memory=96 * GiB,
                 host_bandwidth=_share(0.7 * 128 * GB, 8), nvme_read=1.5 * GB, nvme_write=1.0 * GB, cores=3,
+                interconnect=0.8 * 150 * GB, gpus_per_node=16,
                 src={**dict.fromkeys(gpu, "v100"), "link_theoretical": "pcie3", "link_h2d": "pcie3_achieved",
                      "host_memory": "dgx2_host", "host_bandwidth": "xeon_8168", "cores": "dgx2_host",
-                     "nvme_read": "nvme_dgx2", "nvme_write": "nvme_dgx2"}),
+                     "nvme_read": "nvme_dgx2", "nvme_write": "nvme_dgx2", "interconnect": "nvlink2",
+                     "gpus_per_node": "gpus_dgx2"}),
+    ]
+    return {hw.name: hw for hw in out}
+
+
+def _node_presets(presets: dict[str, Hardware]) -> dict[str, Hardware]:
+    """Whole nodes for sharded offload (issue 17): still one GPU's share each, with the node's GPU count and the
+    bandwidth between its GPUs."""
+
+    def node(base: str, name: str, description: str, **changes) -> Hardware:
+        hw = presets[base]
+        sources = {**hw.sources, **{figure: _SRC[key] for figure, key in changes.pop("src", {}).items()}}
+        return dataclasses.replace(hw, name=name, description=description, sources=sources, **changes)
+
+    out = [
+        node("h100-sxm", "8xh100-sxm", "a DGX H100-like node: 8 x h100-sxm on NVLink 4 (NVSwitch), each GPU with its "
+             "own PCIe Gen5 link, quarter socket and drive"),
+        node("gh200", "4xgh200", "a 4-GH200 node: 4 superchips on NVLink 4, each H100 with its own NVLink-C2C, Grace "
+             "and drive", interconnect=0.8 * 300 * GB, gpus_per_node=4,
+             src={"interconnect": "gh200_nvlink", "gpus_per_node": "gpus_4xgh200"}),
+        node("gh200", "gh200-ib", "GH200 superchips one per node on InfiniBand NDR 400 Gb/s"),
     ]
     return {hw.name: hw for hw in out}
 
 
 PRESETS: dict[str, Hardware] = _presets()
-# The machines of published setups (streaming_cost checks them on paper). They are kept out of PRESETS, whose rows
-# the chapters' tables print; `preset(name)` finds them too.
+# The machines of published setups (streaming_cost checks them on paper), and whole nodes for sharded offload. They
+# are kept out of PRESETS, whose rows the chapters' tables print; `preset(name)` finds them too.
 PAPER_PRESETS: dict[str, Hardware] = _paper_presets()
+NODE_PRESETS: dict[str, Hardware] = _node_presets(PRESETS)
 
 
 def preset(name: str) -> Hardware:
     """A cited profile by name; an unknown name lists the valid ones (and `probe()` for this machine)."""
-    if name in PAPER_PRESETS:
-        return PAPER_PRESETS[name]
-    if name not in PRESETS:
-        raise ValueError(f"unknown hardware preset {name!r}; choose one of {', '.join([*PRESETS, *PAPER_PRESETS])} "
-                         "(or profiles.probe() for this machine)")
-    return PRESETS[name]
+    for table in (PRESETS, PAPER_PRESETS, NODE_PRESETS):
+        if name in table:
+            return table[name]
+    raise ValueError(f"unknown hardware preset {name!r}; choose one of "
+                     f"{', '.join([*PRESETS, *PAPER_PRESETS, *NODE_PRESETS])} (or profiles.probe() for this machine)")
 
 
 # ---------------------------------------------------------------------------------------------------
 # This machine
 
+GLOO_LOOPBACK = 2.3 * GB  # B/s: torch.distributed gloo between 2 processes on one machine (source below)
+GLOO_LOOPBACK_SOURCE = (
+    "estimate: gloo broadcast of 16 MiB fp32 between 2 processes on one machine (torchrun --nproc_per_node=2, "
+    "loopback TCP), median of 5 after 2 warm-ups, on the course's 2-core build VM with torch 2.13 CPU: 2.1-2.7 GB/s "
+    "over 3 runs (an all-reduce's busbw there: ~1.0 GB/s); taken as 2.3 GB/s. Pass interconnect= to probe() with "
+    "your own measurement")
+
 
 @functools.lru_cache(maxsize=8)
-def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quick: bool = True) -> Hardware:
+def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quick: bool = True,
+          interconnect: float | None = None) -> Hardware:
     """This machine as a profile: the simulated device (its link model, its memory, its modelled device
     Adam) on the host's measured figures: Adam-pattern memory bandwidth, a fused CPU Adam's rate, matmul
     FLOP/s, and the drive under `nvme_dir` (a temporary directory when None). Cached per arguments: the
     chapters share one measurement per kernel. `link_bandwidth` defaults to the sim device's default link.
+    `interconnect`: B/s between ranks, measured by the caller (gloo between processes on this machine); by default
+    GLOO_LOOPBACK, measured once as its source says. The ranks share this host (`gpus_per_node` 1: a sim device per
+    process).
 
     On the sim the device IS the host (`shared_host=True`): its compute, memory and bandwidth are the
     host's, and work the two would do in parallel on a GPU server competes here.
@@ -326,7 +405,9 @@ def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quic
                     "link_theoretical": "the simulated device's Link model (no slot: theoretical = modelled)",
                     "device_bandwidth": "the host's (the sim device computes in host memory): " + measured,
                     "peak_flops_bf16": "bf16 matmul of this CPU: " + measured,
-                    "host_memory": "os.sysconf (physical memory)"})
+                    "host_memory": "os.sysconf (physical memory)",
+                    "interconnect": GLOO_LOOPBACK_SOURCE if interconnect is None else "measured by the caller",
+                    "gpus_per_node": "one simulated device per process"})
     sources["link_d2h"] = sources["link_h2d"]
     return Hardware(
         name="this machine (sim)", description=f"simulated device on this {os.cpu_count()}-core machine",
@@ -335,4 +416,5 @@ def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quic
         link_latency=per_copy["latency"], copy_overhead=per_copy["issue"],
         host_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         host_bandwidth=host_bw, cpu_adam_rate=cpu_adam, nvme_read=disk["read"], nvme_write=disk["write"],
-        cores=os.cpu_count() or 1, shared_host=True, sources=sources)
+        cores=os.cpu_count() or 1, interconnect=interconnect or GLOO_LOOPBACK, gpus_per_node=1, shared_host=True,
+        sources=sources)

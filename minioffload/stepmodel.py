@@ -32,6 +32,14 @@ uploaded: the CPU rounds the master into the host home (no pass for fp32: the ma
 rounded weights to NVMe. `Prediction.exposed_fetch_s` is the fetch time not hidden under compute. Not modelled:
 the runtime's prefetches of the next step's first blocks during the last backward, which its optimizer step drops.
 
+Ranks (`StepConfig.ranks`, issue 17): each rank's micro-batch computes alike (one "compute" lane stands for all);
+after each subgroup's backward its gradient is reduced to its owner (shards.shard_owners) on the "net" lane, one
+communicator whose collectives run in issue order, each taking the link's latency + shards.ring_bytes / interconnect.
+Only the owner copies it out, sums, clips (the partial norms all-reduced) and updates it on its own cores, and uploads
+it; then its owner broadcasts it. Rank r > 0's lanes are named "d2h:r", "cpu:r", ...; the trace shows rank 0's.
+Without offload the ranks all-reduce each subgroup-sized bucket of gradients. On a shared host (the sim) the ranks
+share its cores: their compute is ranks x longer and every rank's CPU work queues on the one "host".
+
 What this is not: a simulator of kernels or of an allocator. It knows the runtime's configurations
 (on-device, optimizer offload, delayed update, hybrid split, NVMe tier, streamed parameters) and the byte counts
 each moves; it ignores Python overheads, caches, and everything the profile does not name.
@@ -39,14 +47,17 @@ each moves; it ignores Python overheads, caches, and everything the profile does
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 
 from .layout import STATE_BYTES_PER_PARAM, device_subgroups
-from .memory import PRECISIONS
-from .options import OffloadOptions
 from .profiles import ADAM_BYTES_PER_PARAM, Hardware
 from .schedule import Plan, schedule
-from .trace import Trace, union_length
+from .shards import ring_bytes, shard_owners
+from .stepmodel_prediction import Prediction, _on, _prediction, rank_of, resource_of
+from .stepmodel_prediction import compare as compare  # re-exported: callers import them from here
+from .stepmodel_types import PARAMS_ON as PARAMS_ON
+from .stepmodel_types import StepConfig, Workload
+from .trace import Trace
 
 # Bytes per parameter of the host passes the engine makes besides Adam (offload.py):
 ACCUMULATE_BYTES = 8  # grad (fp32) += staging: read 4 + write 4, plus the staging's own bytes (model dtype)
@@ -55,120 +66,6 @@ ZERO_BYTES = 4  # grad.zero_() after the update
 DEVICE_PATH_BYTES = 8  # hybrid device path besides Adam: gather the gradients into fp32 (write 4) and read the
 #                       master to write the weights (read 4); plus the gradient read and the weight write, each in
 #                       the model's dtype
-PARAMS_ON = ("device", "host", "nvme")  # where the blocks' weights live (StepConfig.params_on)
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one optimizer step trains: `num_params` over `tokens` tokens (batch x sequence x accumulation),
-    in `precision`; `num_tensors` parameter tensors (each is one copy each way, and pays a copy's latency)."""
-
-    num_params: int
-    tokens: int
-    precision: str = "mixed_bf16"
-    num_tensors: int = 1
-    recompute: bool = False  # full activation checkpointing: one more forward during backward
-    num_layers: int = 1  # transformer blocks, of equal size: streamed parameters travel block by block
-    resident_params: int = 0  # parameters outside the blocks (embeddings, tied head, final norm): never streamed
-
-    def __post_init__(self) -> None:
-        for name in ("num_params", "tokens", "num_tensors", "num_layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not value >= 1:
-                raise ValueError(f"{name} must be at least 1, got {value!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
-        if isinstance(self.resident_params, bool) or not 0 <= self.resident_params < self.num_params:
-            raise ValueError(f"resident_params must be in [0, num_params) (the blocks hold the rest), got "
-                             f"{self.resident_params!r} of {self.num_params}")
-
-    @property
-    def block_params(self) -> float:
-        """Parameters of one block."""
-        return (self.num_params - self.resident_params) / self.num_layers
-
-    @property
-    def model_bytes(self) -> int:
-        """Bytes per value of the weights and gradients the device computes with."""
-        return 4 if self.precision == "fp32" else 2
-
-    @classmethod
-    def of(cls, model, tokens: int, precision: str | None = None, recompute: bool = False) -> Workload:
-        """The workload of a torch model: its trainable parameters and tensors, its dtype unless given; its blocks
-        from `model.blocks` when it has them (a course GPT), else one block of everything."""
-        params = [p for p in model.parameters() if p.requires_grad]
-        if precision is None:
-            precision = "fp32" if params[0].dtype.itemsize == 4 else "mixed_bf16"
-        num_params, blocks = sum(p.numel() for p in params), getattr(model, "blocks", None)
-        if not blocks:
-            return cls(num_params, tokens, precision, len(params), recompute)
-        in_blocks = sum(p.numel() for p in blocks.parameters() if p.requires_grad)
-        return cls(num_params, tokens, precision, len(params), recompute, len(blocks), num_params - in_blocks)
-
-
-@dataclass(frozen=True)
-class StepConfig:
-    """The runtime configuration to predict. `offload=False`: everything on the device (torch's AdamW there).
-    Otherwise OffloadAdam with the options of the same names; `nvme`: its NVMe tier; `clip`: max_grad_norm set."""
-
-    offload: bool = True
-    subgroup_numel: int = 1 << 22
-    delay: bool = False
-    gpu_fraction: float | None = None
-    stride: int | None = None
-    nvme: bool = False
-    clip: bool = False
-    mfu: float = 0.4  # model FLOP/s utilisation of forward and backward
-    params_on: str = "device"  # the blocks' weights: resident ("device"), or streamed from "host" or "nvme"
-    prefetch: int = 1  # streamed: blocks fetched ahead of the one computing (0: on demand)
-
-    def __post_init__(self) -> None:
-        if not 0 < self.mfu <= 1:
-            raise ValueError(f"mfu must be in (0, 1], got {self.mfu!r}")
-        if self.params_on not in PARAMS_ON:
-            raise ValueError(f"params_on must be one of {', '.join(map(repr, PARAMS_ON))}, got {self.params_on!r}")
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"prefetch must be an int >= 0 (blocks fetched ahead; 0 fetches on demand), got "
-                             f"{self.prefetch!r}")
-        options = self.options  # the engine's rules, with its messages (options.py)
-        if not self.offload and (options.offload_only() or self.nvme):
-            raise ValueError("delay, gpu_fraction/stride and nvme are options of the offloaded optimizer; "
-                             "set offload=True or drop them")
-        if self.streamed and not self.offload:
-            raise ValueError(f"params_on={self.params_on!r} streams weights that the CPU optimizer updates; set "
-                             "offload=True or params_on='device'")
-        if self.streamed and (self.delay or self.gpu_fraction is not None or self.stride is not None):
-            raise ValueError(f"params_on={self.params_on!r} is modelled with the synchronous CPU update only; drop "
-                             "delay, gpu_fraction and stride, or set params_on='device'")
-        if self.nvme:
-            options.check_nvme()
-
-    @property
-    def streamed(self) -> bool:
-        return self.params_on != "device"
-
-    @property
-    def options(self) -> OffloadOptions:
-        """The engine's options this configuration predicts."""
-        return OffloadOptions(subgroup_numel=self.subgroup_numel, max_grad_norm=1.0 if self.clip else None,
-                              delay_updates_after=0 if self.delay else None, gpu_fraction=self.gpu_fraction,
-                              stride=self.stride)
-
-    @classmethod
-    def of(cls, options: OffloadOptions, offload: bool = True, nvme: bool = False, mfu: float = 0.4,
-           params_on: str = "device", prefetch: int = 1) -> StepConfig:
-        """The configuration of an engine built with `options` (its delayed update counted from the start)."""
-        return cls(offload, options.subgroup_numel, options.delayed, options.gpu_fraction, options.stride, nvme,
-                   options.max_grad_norm is not None, mfu, params_on, prefetch)
-
-
-def resource_of(lane: str, hw: Hardware) -> str:
-    """The resource a lane's work occupies on `hw` (lanes that share one are added up, not overlapped)."""
-    if lane in ("nvme_read", "nvme_write"):
-        return "nvme"  # one drive: reads and writes share it
-    if hw.shared_host and lane in ("compute", "cpu"):
-        return "host"
-    return lane
 
 
 def _subgroups(work: Workload, numel: int) -> list[tuple[int, int]]:
@@ -189,41 +86,62 @@ class _Builder:
 
     def __init__(self, work: Workload, hw: Hardware, config: StepConfig):
         self.work, self.hw, self.config, self.plan = work, hw, config, Plan()
+        self.ranks = config.ranks
         flops = hw.peak_flops(work.precision) * config.mfu
+        if hw.shared_host:  # the sim: every rank's forward and backward run on the same cores
+            flops /= config.ranks
         n, t = work.num_params, work.tokens
         self.forward_s = 2 * n * t / flops
         self.backward_s = (4 + 2 * work.recompute) * n * t / flops
-        self.job = None  # delayed update: the background update's last op
-        self.entry = None  # the last step()'s start: every gradient has arrived
+        self.groups = _subgroups(work, config.subgroup_numel)
+        self.owners = shard_owners([params for params, _ in self.groups], config.ranks)
+        self.job: dict[int, int] = {}  # delayed update: each rank's background update's last op
+        self.entry: dict[int, int] = {}  # each rank's last step()'s start: its gradients have arrived
         self.state_home = None  # hybrid: the last streamed state copied back to the host
 
-    def copy(self, direction: str, nbytes: float, copies: int, name: str, deps, stream: str) -> int:
+    def copy(self, direction: str, nbytes: float, copies: int, name: str, deps, stream: str, rank: int = 0) -> int:
         link = self.hw.link_h2d if direction == "h2d" else self.hw.link_d2h
         # DMA touches host memory once; on a shared host (the sim) a "copy" is a memcpy that reads and writes it
-        return self.plan.add(direction, name, copies * self.hw.link_latency + nbytes / link, deps, nbytes, stream,
-                             host_bytes=nbytes * (2 if self.hw.shared_host else 1))
+        return self.plan.add(_on(direction, rank), name, copies * self.hw.link_latency + nbytes / link, deps, nbytes,
+                             _on(stream, rank), host_bytes=nbytes * (2 if self.hw.shared_host else 1))
 
-    def host(self, name: str, bytes_per_param: float, params: float, deps, stream: str = "host", issue: int = 0) -> int:
+    def host(self, name: str, bytes_per_param: float, params: float, deps, stream: str = "host", issue: int = 0,
+             rank: int = 0) -> int:
         """A pass over host memory, plus the host time to issue `issue` copies after it."""
         seconds = params * bytes_per_param / self.hw.host_bandwidth + issue * self.hw.copy_overhead
-        return self.plan.add("cpu", name, seconds, deps, stream=stream, host_bytes=params * bytes_per_param)
+        return self.plan.add(_on("cpu", rank), name, seconds, deps, stream=_on(stream, rank),
+                             host_bytes=params * bytes_per_param)
 
-    def forward_backward(self, after: int | None) -> tuple[int, list[int]]:
-        """Forward, then backward in pieces with each piece's gradient copy (offloaded CPU subgroups only)."""
-        plan, work, mb = self.plan, self.work, self.work.model_bytes
+    def collective(self, kind: str, nbytes: float, name: str, deps) -> int:
+        """A ring collective of `nbytes` on the interconnect, in issue order on one communicator ("net"): a fixed cost
+        (the link's latency) and the bytes each rank sends (shards.ring_bytes) over `interconnect`."""
+        sent = ring_bytes(kind, nbytes, self.ranks)
+        return self.plan.add("net", name, self.hw.link_latency + sent / self.hw.interconnect, deps, sent, "net")
+
+    def forward_backward(self, after: int | None) -> tuple[int, dict[int, list[int]]]:
+        """Forward, then backward in pieces, each piece's gradient reduced to its owner (ranks > 1) and copied out
+        there (offloaded CPU subgroups only); without offload, ranks > 1 all-reduce each piece's gradient (buckets)."""
+        plan, work, mb, groups = self.plan, self.work, self.work.model_bytes, self.groups
         forward = plan.add("compute", "forward", self.forward_s, [after], stream="compute")
-        if not self.config.offload:
-            return plan.add("compute", "backward", self.backward_s, [forward], stream="compute"), []
-        groups = _subgroups(work, self.config.subgroup_numel)
-        on_cpu = self.cpu_groups(groups)
-        copies, last = [], forward
+        if not self.config.offload and self.ranks == 1:
+            return plan.add("compute", "backward", self.backward_s, [forward], stream="compute"), {}
+        on_cpu = self.cpu_groups() if self.config.offload else set()
+        copies: dict[int, list[int]] = {rank: [] for rank in range(self.ranks)}
+        last = forward
         for index in reversed(range(len(groups))):  # backward produces the last layers' gradients first
             params, tensors = groups[index]
             hooks = tensors * self.hw.copy_overhead if index in on_cpu else 0.0  # the host issues each copy
             last = plan.add("compute", "backward", self.backward_s * params / work.num_params + hooks, [last],
                             stream="compute")
+            grad = last
+            if self.ranks > 1:
+                kind = "reduce" if self.config.offload else "all_reduce"
+                grad = self.collective(kind, params * mb, f"{kind.replace('_', '-')} grad", [last])
+                if not self.config.offload:
+                    copies[0].append(grad)
             if index in on_cpu:
-                copies.append(self.copy("d2h", params * mb, tensors, "d2h grad", [last], "d2h"))
+                owner = self.owners[index]
+                copies[owner].append(self.copy("d2h", params * mb, tensors, "d2h grad", [grad], "d2h", owner))
         return last, copies
 
     def streamed_forward_backward(self, after: int | None) -> tuple[int, list[int]]:
@@ -265,68 +183,100 @@ class _Builder:
                 copies.append(self.copy("d2h", block * mb, block_tensors, "d2h grad", [last], "d2h"))
         return last, copies
 
-    def cpu_groups(self, groups) -> set[int]:
-        resident, streamed = device_subgroups(len(groups), self.config.gpu_fraction, self.config.stride)
-        return set(range(len(groups))) - set(resident) - set(streamed)
+    def cpu_groups(self) -> set[int]:
+        resident, streamed = device_subgroups(len(self.groups), self.config.gpu_fraction, self.config.stride)
+        return set(range(len(self.groups))) - set(resident) - set(streamed)
 
     def step(self, after: int | None) -> int:
         """One step after `after` (the previous step's end); returns the op at which the next forward may start."""
-        config, work, plan, hw, mb = self.config, self.work, self.plan, self.hw, self.work.model_bytes
-        backward, grad_copies = (self.streamed_forward_backward if config.streamed else self.forward_backward)(after)
+        config, work, plan, hw, groups = self.config, self.work, self.plan, self.hw, self.groups
+        if config.streamed:
+            backward, streamed_copies = self.streamed_forward_backward(after)
+            grad_copies = {0: streamed_copies}
+        else:
+            backward, grad_copies = self.forward_backward(after)
         if not config.offload:
-            return plan.add("compute", "device adam", work.num_params / hw.device_adam_rate, [backward],
-                            stream="compute")
-        groups = _subgroups(work, config.subgroup_numel)
-        on_cpu = sorted(self.cpu_groups(groups))
-        cpu_params = sum(groups[i][0] for i in on_cpu)
-        entry = plan.mark([backward, *grad_copies])  # step(): waits for every gradient copy
-        self.entry = entry
-        uploads = []
-        if config.delay and self.job is not None:  # send the last update's weights first
-            entry = plan.mark([entry, self.job])
-            tensors = sum(groups[i][1] for i in on_cpu)
-            uploads.append(self.copy("h2d", cpu_params * mb, tensors, "h2d weights", [entry], "h2d"))
-        ready = self.host("accumulate grads", ACCUMULATE_BYTES + mb, cpu_params, [entry])
+            return plan.add("compute", "device adam", work.num_params / hw.device_adam_rate,
+                            [backward, *grad_copies.get(0, [])], stream="compute")
+        on_cpu = sorted(self.cpu_groups())
+        own = {rank: [i for i in on_cpu if self.owners[i] == rank] for rank in range(self.ranks)}
+        ready, uploads = {}, {rank: [] for rank in range(self.ranks)}
+        for rank, mine in own.items():  # step() on each rank: its own subgroups' gradients are in
+            entry = plan.mark([backward, *grad_copies.get(rank, [])])  # waits for every gradient copy
+            self.entry[rank] = entry
+            if config.delay and rank in self.job:  # send the last update's weights first
+                entry = plan.mark([entry, self.job[rank]])
+                uploads[rank].append(self.copy("h2d", sum(groups[i][0] for i in mine) * work.model_bytes,
+                                               sum(groups[i][1] for i in mine), "h2d weights", [entry], "h2d", rank))
+            ready[rank] = self.host("accumulate grads", ACCUMULATE_BYTES + work.model_bytes,
+                                    sum(groups[i][0] for i in mine), [entry], rank=rank)
         if config.clip:
-            ready = self.host("clip", CLIP_BYTES, cpu_params, [ready])
-        device_done = self.device_path(groups, ready, backward)
+            self.clip(own, ready)
+        device_done = self.device_path(groups, ready[0], backward)
+        last_cpu = {rank: self.update(rank, own[rank], ready[rank], uploads[rank]) for rank in own}
+        broadcasts = []
+        if self.ranks > 1:  # each subgroup's new weights from its owner to every rank, in subgroup order
+            for i in on_cpu:
+                done = uploads[self.owners[i]][own[self.owners[i]].index(i)]
+                broadcasts.append(self.collective("broadcast", groups[i][0] * work.model_bytes, "broadcast weights",
+                                                  [done]))
+        every_upload = [op for ops in uploads.values() for op in ops]
+        if config.delay:
+            self.job = last_cpu  # runs on beside the next forward and backward
+            return plan.mark([*ready.values(), *every_upload, *broadcasts])
+        return plan.mark([*last_cpu.values(), *every_upload, *broadcasts, device_done])
+
+    def clip(self, own: dict[int, list[int]], ready: dict[int, int]) -> None:
+        """The global norm's passes on each rank's own subgroups; with ranks > 1 the partial norms are all-reduced
+        (a few bytes: the link's latency) between the norm's read and the scaling."""
+        params = {rank: sum(self.groups[i][0] for i in mine) for rank, mine in own.items()}
+        if self.ranks == 1:
+            ready[0] = self.host("clip", CLIP_BYTES, params[0], [ready[0]])
+            return
+        norms = [self.host("clip norm", 4, params[rank], [ready[rank]], rank=rank) for rank in own]
+        total = self.plan.add("net", "all-reduce norm", self.hw.link_latency, norms, stream="net")
+        for rank in own:
+            ready[rank] = self.host("clip scale", CLIP_BYTES - 4, params[rank], [total], rank=rank)
+
+    def update(self, rank: int, mine: list[int], ready: int, uploads: list[int]) -> int:
+        """Rank `rank`'s CPU update of its own subgroups `mine` (its NVMe reads and writes, its uploads appended to
+        `uploads`); returns its last CPU op."""
+        config, plan, hw, groups, mb = self.config, self.plan, self.hw, self.groups, self.work.model_bytes
         stream = "update" if config.delay else "host"  # the delayed update runs on a thread of its own
-        reads = self.nvme_reads(groups, on_cpu, ready) if config.nvme else {}
+        reads = self.nvme_reads(mine, ready, rank) if config.nvme else {}
         last_cpu, writes = ready, []
-        for k, i in enumerate(on_cpu):
+        for k, i in enumerate(mine):
             params, tensors = groups[i]
-            if config.nvme and k + 1 < len(on_cpu):  # prefetch the next subgroup into the third working set
-                reads[on_cpu[k + 1]] = self.nvme_read(groups[on_cpu[k + 1]][0], [
-                    last_cpu, writes[k - 2] if k >= 2 else None, uploads[k - 2] if k >= 2 else None])
-            last_cpu = plan.add("cpu", f"adam {params / 1e6:.2f}M", params / hw.cpu_adam_rate,
-                                [last_cpu, reads.get(i)], stream=stream, host_bytes=params * ADAM_BYTES_PER_PARAM)
+            if config.nvme and k + 1 < len(mine):  # prefetch the next subgroup into the third working set
+                reads[mine[k + 1]] = self.nvme_read(groups[mine[k + 1]][0], [
+                    last_cpu, writes[k - 2] if k >= 2 else None, uploads[k - 2] if k >= 2 else None], rank)
+            last_cpu = plan.add(_on("cpu", rank), f"adam {params / 1e6:.2f}M", params / hw.cpu_adam_rate,
+                                [last_cpu, reads.get(i)], stream=_on(stream, rank),
+                                host_bytes=params * ADAM_BYTES_PER_PARAM)
             rounding = (4 + mb) if mb != 4 else 0  # fp32 master -> 16-bit staging, for the upload
             last_cpu = self.host("round + zero grad", rounding + ZERO_BYTES, params, [last_cpu], stream,
-                                 issue=0 if config.delay or config.streamed else tensors)
+                                 issue=0 if config.delay or config.streamed else tensors, rank=rank)
             if config.nvme:
                 state = params * STATE_BYTES_PER_PARAM
-                writes.append(plan.add("nvme_write", "nvme write", state / hw.nvme_write, [last_cpu], state,
-                                       stream="nvme_write", host_bytes=state))
+                writes.append(plan.add(_on("nvme_write", rank), "nvme write", state / hw.nvme_write, [last_cpu],
+                                       state, stream=_on("nvme_write", rank), host_bytes=state))
             if config.params_on == "nvme":  # the rounded weights go home to NVMe, not up the link
                 uploads.append(plan.add("nvme_write", "nvme write weights", params * mb / hw.nvme_write, [last_cpu],
                                         params * mb, stream="param write", host_bytes=params * mb))
             elif config.params_on == "host":
                 uploads.append(last_cpu)  # rounded into the host home: the next fetch reads it there
             elif not config.delay:
-                uploads.append(self.copy("h2d", params * mb, tensors, "h2d weights", [last_cpu], "h2d"))
-        if config.delay:
-            self.job = last_cpu  # runs on beside the next forward and backward
-            return plan.mark([ready, *uploads])
-        return plan.mark([last_cpu, *uploads, device_done])
+                uploads.append(self.copy("h2d", params * mb, tensors, "h2d weights", [last_cpu], "h2d", rank))
+        return last_cpu
 
-    def nvme_read(self, params: int, deps) -> int:
+    def nvme_read(self, params: int, deps, rank: int = 0) -> int:
         state = params * STATE_BYTES_PER_PARAM
-        return self.plan.add("nvme_read", "nvme read", state / self.hw.nvme_read, deps, state, stream="nvme_read",
-                             host_bytes=state)
+        return self.plan.add(_on("nvme_read", rank), "nvme read", state / self.hw.nvme_read, deps, state,
+                             stream=_on("nvme_read", rank), host_bytes=state)
 
-    def nvme_reads(self, groups, on_cpu: list[int], ready: int) -> dict[int, int]:
+    def nvme_reads(self, mine: list[int], ready: int, rank: int) -> dict[int, int]:
         """The first subgroup's state is read when the update starts (the NVMe tier reads one ahead)."""
-        return {on_cpu[0]: self.nvme_read(groups[on_cpu[0]][0], [ready])} if on_cpu else {}
+        return {mine[0]: self.nvme_read(self.groups[mine[0]][0], [ready], rank)} if mine else {}
 
     def device_path(self, groups, ready: int, backward: int) -> int | None:
         """Chapter 5's hybrid update: resident subgroups updated in place; streamed ones copied in, updated,
@@ -352,33 +302,6 @@ class _Builder:
         return last  # the next forward waits for the weights the device wrote, not for the state's way home
 
 
-@dataclass
-class Prediction:
-    """A predicted step: its length, its trace (the last of the simulated steps, starting at 0), busy time per
-    lane, the resource with the most busy time (`bound`: a lane, "nvme" for the drive, "host" for the shared
-    cores of the sim, "host memory" when the step's DRAM traffic sets its length), and per lane the busy time
-    not hidden behind compute (`exposed`)."""
-
-    step_s: float
-    trace: Trace
-    busy: dict[str, float]
-    exposed: dict[str, float]
-    bound: str
-    host_memory_s: float = 0.0  # the step's host DRAM traffic over host_bandwidth: a floor on step_s
-    # (when a floor sets step_s, bound is "host memory" and the trace shows the schedule it stretched)
-    fetch_s: float = 0.0  # streamed parameters: time some block's weights were on their way (NVMe read or H2D)
-    exposed_fetch_s: float = 0.0  # ... of which no compute ran at the same time
-
-    @property
-    def exposed_fetch_fraction(self) -> float:
-        """Exposed fetch time over fetch time (0 when nothing is fetched)."""
-        return self.exposed_fetch_s / self.fetch_s if self.fetch_s else 0.0
-
-    def summary(self) -> str:
-        busy = ", ".join(f"{lane} {seconds * 1e3:.1f}" for lane, seconds in self.busy.items())
-        return f"step {self.step_s * 1e3:.1f} ms, bound by {self.bound} (busy ms: {busy})"
-
-
 def predict(work: Workload, hw: Hardware, config: StepConfig | None = None, steps: int = 3) -> Prediction:
     """The predicted steady-state step of `work` on `hw` with `config` (default: optimizer offload)."""
     config = config or StepConfig()
@@ -387,7 +310,7 @@ def predict(work: Workload, hw: Hardware, config: StepConfig | None = None, step
                         f"{type(hw).__name__}")
     if steps < 2:
         raise ValueError(f"steps must be at least 2 (the last one is reported in steady state), got {steps}")
-    builder = _Builder(work, hw, config)
+    builder, ranks = _Builder(work, hw, config), config.ranks
     ends, after, first_op_of_last_step = [], None, 0
     for _ in range(steps):
         first_op_of_last_step = len(builder.plan.ops)
@@ -398,57 +321,29 @@ def predict(work: Workload, hw: Hardware, config: StepConfig | None = None, step
     start, end = ops[ends[-2]].end, ops[ends[-1]].end
     trace = Trace(origin=0.0)
     for op in ops:  # the last step's window: what runs between the previous step's end and this one's
-        if op.lane and op.end > start and op.start < end and op.seconds > 0:
+        if op.lane and rank_of(op.lane) in (0, None) and op.end > start and op.start < end and op.seconds > 0:
             trace.record(op.lane, op.name, max(op.start, start) - start, min(op.end, end) - start, op.nbytes)
     # Host DRAM is one resource the lanes share: the CPU's passes and every DMA to or from host memory. The
     # schedule lets them overlap freely; the step can be no shorter than their bytes over its bandwidth, and a
     # synchronous update phase (from step() to the next forward) no shorter than its own bytes over it.
+    # Each rank has its own share of host DRAM; on a shared host (the sim) every rank uses the one.
     last_step = ops[first_op_of_last_step:]
     prediction = _prediction(trace, end - start, hw)
-    prediction.host_memory_s = sum(op.host_bytes for op in last_step) / hw.host_bandwidth
+    links = [sum(op.nbytes for op in last_step if op.lane in (_on("d2h", r), _on("h2d", r))) for r in range(ranks)]
+    prediction.ranks, prediction.link_bytes, prediction.rank_link_bytes = ranks, links[0], tuple(links)
+    prediction.interconnect_bytes = sum(op.nbytes for op in last_step if op.lane == "net")
+
+    def host_bytes(rank: int, after: float = -math.inf) -> float:  # rank-less lanes (compute, net) count for all
+        return sum(op.host_bytes for op in last_step if op.start >= after and (
+            hw.shared_host or (rank_of(op.lane) or 0) == rank))
+
+    prediction.host_memory_s = max(host_bytes(rank) for rank in range(ranks)) / hw.host_bandwidth
     floor = prediction.host_memory_s
-    if config.offload and not config.delay:
-        entry = ops[builder.entry].end
-        phase_bytes = sum(op.host_bytes for op in last_step if op.start >= entry)
-        floor = max(floor, entry - start + phase_bytes / hw.host_bandwidth)
+    if config.offload and not config.delay:  # the update phase: from a rank's step() to the next forward
+        entries = {0: min(builder.entry.values(), key=lambda op: ops[op].end)} if hw.shared_host else builder.entry
+        for rank, op in entries.items():
+            entry = ops[op].end
+            floor = max(floor, entry - start + host_bytes(rank, entry) / hw.host_bandwidth)
     if floor > prediction.step_s:
         prediction.step_s, prediction.bound = floor, "host memory"
     return prediction
-
-
-def _prediction(trace: Trace, step_s: float, hw: Hardware) -> Prediction:
-    lanes = sorted({s.lane for s in trace.spans}, key=lambda lane: (lane != "compute", lane))
-    busy = {lane: trace.busy(lane) for lane in lanes}
-    compute = [(s.start, s.end) for s in trace.spans if s.lane == "compute"]
-    fetches = [(s.start, s.end) for s in trace.spans if s.name.startswith(("fetch block", "read block"))]
-    exposed = {}
-    for lane in lanes:
-        if lane != "compute":
-            spans = [(s.start, s.end) for s in trace.spans if s.lane == lane]
-            exposed[lane] = union_length(spans) - _overlap(spans, compute)
-    resources: dict[str, list] = {}
-    for span in trace.spans:
-        resources.setdefault(resource_of(span.lane, hw), []).append((span.start, span.end))
-    bound = max(resources, key=lambda r: union_length(resources[r])) if resources else "nothing"
-    fetch_s = union_length(fetches)
-    return Prediction(step_s, trace, busy, exposed, bound, fetch_s=fetch_s,
-                      exposed_fetch_s=fetch_s - _overlap(fetches, compute))
-
-
-def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Length of time covered by both interval sets."""
-    return union_length(a) + union_length(b) - union_length(a + b)
-
-
-def compare(predicted: Prediction, measured_step_s: float, measured: Trace | None = None) -> dict:
-    """Predicted beside measured: the step (and each lane's busy time when a measured trace is given), with
-    ratios predicted / measured."""
-    if not measured_step_s > 0:
-        raise ValueError(f"measured_step_s must be positive, got {measured_step_s!r}")
-    row = {"predicted_s": predicted.step_s, "measured_s": measured_step_s,
-           "ratio": predicted.step_s / measured_step_s,
-           "relative_error": abs(predicted.step_s - measured_step_s) / measured_step_s}
-    if measured is not None:
-        row["lanes"] = {lane: {"predicted_s": seconds, "measured_s": measured.busy(lane)}
-                        for lane, seconds in predicted.busy.items()}
-    return row

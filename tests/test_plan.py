@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -241,3 +242,49 @@ def test_train_refuses_flags_the_plan_sets_and_plans_it_cannot_run(tmp_path, cap
     with pytest.raises(SystemExit):
         main(["train", "--plan", str(big), "--device", "sim", "--out-dir", str(tmp_path / "r")])
     assert "course's GPT presets" in capsys.readouterr().err
+
+
+def test_two_ranks_hold_an_optimizer_state_one_rank_cannot():
+    spec, hw = ModelSpec.of_params(7e9), profiles.preset("8xh100-sxm")
+    one = plan.Limits(batch=2, host_bytes=80 * GB, nvme_bytes=0)
+    with pytest.raises(plan.NoPlanError):
+        plan.search(spec, hw, one)
+    plans = plan.search(spec, hw, plan.Limits(batch=2, host_bytes=80 * GB, nvme_bytes=0, ranks=2))
+    assert plans and all(p.ranks == 2 and p.params_on == "device" and p.optimizer_on != "device" and not p.delay
+                         and p.gpu_fraction is None for p in plans)
+    assert all(p.memory["host"] <= 80 * GB for p in plans)
+    best = plans[0]
+    assert "2 ranks" in best.describe() and best.tokens_per_step == 2 * best.micro_batch * best.grad_accum * 2048
+    numels = plan.tensor_numels(spec)
+    assert plan._state_bytes(spec, plan._key(best), "mixed_bf16", 2)["host"] == memory.engine_bytes(
+        numels, "mixed_bf16", best.subgroup_numel, delay=best.delay, ranks=2)["host"]
+    again = plan.prediction(best, hw)
+    assert again.ranks == 2 and again.interconnect_bytes > 0
+    assert Plan.from_dict(json.loads(json.dumps(best.to_dict()))) == best
+
+
+def test_ranks_refusals_in_the_planner():
+    with pytest.raises(ValueError, match="ranks must be an int >= 1"):
+        plan.Limits(ranks=0)
+    spec = ModelSpec.of_preset("tiny")
+    p = Plan(spec, "h100-sxm", "fp32", 1, 1, "host", "host", ("keep",) * spec.n_layer, prefetch=1)
+    for changes in ({}, {"params_on": "device", "delay": True}, {"optimizer_on": "device", "params_on": "device"}):
+        with pytest.raises(ValueError, match="ranks=2 shards the offloaded optimizer with every weight on each"):
+            dataclasses.replace(p, ranks=2, **changes)
+    config = plan.train_config(dataclasses.replace(p, params_on="device", prefetch=0, ranks=2))
+    assert config.shard and config.offload  # run under torchrun --nproc-per-node 2
+    with pytest.raises(plan.NoPlanError, match="with ranks > 1 only the sharded engine is planned"):
+        plan.search(ModelSpec.of_params(70e9), profiles.preset("h100-sxm"),
+                    plan.Limits(batch=1, host_bytes=10 * GB, nvme_bytes=0, ranks=2))
+
+
+def test_plan_cli_ranks(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--params", "7B", "--hardware", "8xh100-sxm", "--ranks", "4", "--batch", "2",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "on each of 4 ranks" in printed and "memory per rank" in printed
+    assert Plan.load(out).ranks == 4
+    with pytest.raises(SystemExit):
+        main(["plan", "--params", "7B", "--ranks", "0"])
+    assert "--ranks must be an int >= 1" in capsys.readouterr().err

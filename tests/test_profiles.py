@@ -80,3 +80,31 @@ def test_the_gpu_sizes_chapter_1_uses_come_from_the_table():
 
     assert memory.GPUS == {"H100 80 GB": profiles.preset("h100-sxm").device_memory,
                            "H200 141 GB": profiles.preset("h200").device_memory}
+
+
+@pytest.mark.parametrize("name", [*PRESETS, *profiles.PAPER_PRESETS, *profiles.NODE_PRESETS])
+def test_every_profile_has_a_cited_interconnect_and_node_size(name):
+    hw = profiles.preset(name)
+    assert hw.interconnect > 0 and isinstance(hw.gpus_per_node, int) and hw.gpus_per_node >= 1
+    assert len(hw.cite("interconnect")) > 10 and len(hw.cite("gpus_per_node")) > 10
+
+
+def test_node_presets_for_sharded_offload():
+    h100, node = profiles.preset("h100-sxm"), profiles.preset("8xh100-sxm")
+    assert node.gpus_per_node == 8 and node.interconnect == h100.interconnect == pytest.approx(0.8 * 450e9)
+    assert node.host_memory == h100.host_memory  # still one GPU's share of the host
+    quad, ib = profiles.preset("4xgh200"), profiles.preset("gh200-ib")
+    assert quad.gpus_per_node == 4 and quad.interconnect > ib.interconnect == pytest.approx(0.8 * 50e9)
+    assert quad.link_h2d == profiles.preset("gh200").link_h2d  # each GPU keeps its own NVLink-C2C
+    assert "NDR" in ib.cite("interconnect") and "NVLink" in quad.cite("interconnect")
+    assert "host-staged" in profiles.preset("rtx4090").cite("interconnect")
+    assert "peer-to-peer" in profiles.preset("a100-pcie").cite("interconnect")
+    assert not set(profiles.NODE_PRESETS) & set(PRESETS)  # the chapters' tables print PRESETS only
+
+
+def test_probe_interconnect_is_the_gloo_estimate_unless_measured():
+    hw = profiles.probe()
+    assert hw.interconnect == profiles.GLOO_LOOPBACK and "gloo" in hw.cite("interconnect")
+    assert hw.gpus_per_node == 1
+    measured = profiles.probe(interconnect=1.5e9)
+    assert measured.interconnect == 1.5e9 and measured.cite("interconnect") == "measured by the caller"

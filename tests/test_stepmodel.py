@@ -18,7 +18,7 @@ def machine(**changes) -> profiles.Hardware:
     figures = dict(device_memory=1e10, device_bandwidth=1e12, peak_flops_bf16=1e11, peak_flops_fp32=1e11,
                    device_adam_rate=1e10, link_theoretical=1e9, link_h2d=1e9, link_d2h=1e9, link_latency=0.0,
                    copy_overhead=0.0, host_memory=1e11, host_bandwidth=1e11, cpu_adam_rate=1e9, nvme_read=1e9,
-                   nvme_write=1e9, cores=8)
+                   nvme_write=1e9, cores=8, interconnect=1e9, gpus_per_node=8)
     figures.update(changes)
     zero_ok = {k: max(v, 1e-30) for k, v in figures.items()}  # latency 0 is "none": the profile wants > 0
     return profiles.Hardware(name="test", description="hand-made", sources=dict.fromkeys(profiles.FIGURES, "test"),

@@ -1,5 +1,6 @@
-"""Everything that needs a GPU, in one go, within 6 minutes: the `gpu` tests, `doctor` on the machine (CUDA seen,
-locked-memory limit, host memory) and the GPU benchmarks in --quick mode.
+"""Everything that needs a GPU, in one go, within 7 minutes: the `gpu` tests, `doctor` on the machine (CUDA seen,
+locked-memory limit, host memory), a sharded run (`train --shard` under torchrun, NCCL, one rank per GPU) and the
+GPU benchmarks in --quick mode.
 
     python bench/gpu_check.py            # on a CUDA machine; writes $OUT (or bench/results/gpu/)
     python bench/gpu_check.py --dry-run  # on a CPU machine: what it would run, the files, the budget
@@ -25,9 +26,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGET_S = 6 * 60
+BUDGET_S = 7 * 60
 TEST_LIMIT_S = 90
 DOCTOR_LIMIT_S = 30
+SHARD_LIMIT_S = 60
 # benchmark -> time limit (s): the GPU ones, in --quick sizes that fit a 16-core, 128 GB machine
 BENCHES = {"copy_bandwidth": 40, "offload_step": 75, "hybrid": 90}
 
@@ -75,6 +77,14 @@ def plan(cuda: bool) -> list[tuple[str, list[str], float]]:
                             *gpu_test_files()], TEST_LIMIT_S),
              ("doctor", [sys.executable, "-m", "minioffload", "doctor", "--no-measure"], DOCTOR_LIMIT_S)]
     if cuda:
+        import tempfile
+
+        import torch
+        ranks = str(max(1, torch.cuda.device_count()))
+        steps.append(("sharded train (NCCL)", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", ranks,
+                                               "-m", "minioffload", "train", "--shard", "--device", "cuda", "--model",
+                                               "small", "--steps", "5", "--eval-every", "5", "--no-progress",
+                                               "--out-dir", tempfile.mkdtemp()], SHARD_LIMIT_S))
         steps += [(name, [sys.executable, str(ROOT / "bench" / f"{name}.py"), "--quick"], limit)
                   for name, limit in BENCHES.items()]
     return steps

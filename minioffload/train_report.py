@@ -67,7 +67,8 @@ def summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_
     per_step = {lane: sum(s.nbytes for first, last, _, _ in timed for s in spans[first:last] if s.lane == lane) / n
                 for lane in ("d2h", "h2d", "net")}
     mine = {"link_bytes_per_step": per_step["d2h"] + per_step["h2d"], "net_bytes_per_step": per_step["net"],
-            "optimizer_host_bytes": host_bytes, "step_median_s": split["step_median_s"]}
+            "optimizer_host_bytes": host_bytes, "step_median_s": split["step_median_s"],
+            "cpu_update_s": split["cpu_update_s"], "compute_s": split["forward_s"] + split["backward_s"]}
     ranks = shard.gather(mine) if shard is not None else [mine]
     config_dict = asdict(config)
     config_dict.pop("progress")

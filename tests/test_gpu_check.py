@@ -21,9 +21,12 @@ def test_only_files_with_gpu_tests_are_collected():
 def test_the_plan_fits_the_budget_and_runs_only_gpu_benchmarks():
     steps = gpu_check.plan(cuda=True)
     assert sum(limit for _, _, limit in steps) <= gpu_check.BUDGET_S
-    benches = [Path(argv[1]).stem for name, argv, _ in steps if name not in ("gpu tests", "doctor")]
+    runs = ("gpu tests", "doctor", "sharded train (NCCL)")
+    benches = [Path(argv[1]).stem for name, argv, _ in steps if name not in runs]
     assert benches == list(gpu_check.BENCHES) and "adam" not in benches and "step_model" not in benches
-    assert all("--quick" in argv for name, argv, _ in steps if name not in ("gpu tests", "doctor"))
+    assert all("--quick" in argv for name, argv, _ in steps if name not in runs)
+    sharded = next(argv for name, argv, _ in steps if name == "sharded train (NCCL)")
+    assert "torch.distributed.run" in sharded and "--shard" in sharded and sharded[sharded.index("--device") + 1] == "cuda"
 
 
 def test_a_dry_run_writes_two_files_and_decodes_a_timeout(tmp_path):

@@ -26,7 +26,8 @@ def test_the_plan_fits_the_budget_and_runs_only_gpu_benchmarks():
     assert benches == list(gpu_check.BENCHES) and "adam" not in benches and "step_model" not in benches
     assert all("--quick" in argv for name, argv, _ in steps if name not in runs)
     sharded = next(argv for name, argv, _ in steps if name == "sharded train (NCCL)")
-    assert "torch.distributed.run" in sharded and "--shard" in sharded and sharded[sharded.index("--device") + 1] == "cuda"
+    assert "torch.distributed.run" in sharded and "--shard" in sharded
+    assert sharded[sharded.index("--device") + 1] == "cuda"
 
 
 def test_a_dry_run_writes_two_files_and_decodes_a_timeout(tmp_path):

@@ -31,6 +31,9 @@ from . import (  # noqa: F401
     lab09,
     lab09_objective,
     lab09_search,
+    lab10,
+    lab10_gather,
+    lab10_reduce,
 )
 from .grading import GRADERS, MAX_FRAMES, Verdict, expect, grade, grader, learner_traceback, sim_device, task
 

@@ -1,0 +1,171 @@
+"""Graders for Lab 10, "More than one GPU": the shard map, which rank owns each subgroup (10.1).
+
+Task 10.2 (a subgroup's gradients summed into its owner and copied to its pinned staging) is graded in
+lab10_reduce.py, Task 10.3 (a block's weights gathered from shards before it runs) in lab10_gather.py; both run
+their ranks on threads (lab10_ranks.py). Importing this module registers all three.
+
+Task 10.1 is checked against `layout.shard_owners`, the map every rank of the engine computes, on hand-made cases and
+seeded random ones (sizes equal, uniform, heavy-tailed; more ranks than subgroups; one rank), and by what the map
+must do whatever its code: name a rank for each subgroup, give every rank one when there are enough, keep the
+heaviest and lightest rank within one subgroup of each other, and give the same answer every time without changing
+its input. When an answer equals what a plausible mistake gives, the verdict names it.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Callable
+
+from ...layout import shard_owners
+from .grading import grader
+
+RANDOM_CASES = 300
+HAND_CASES = (  # (sizes, ranks)
+    ([], 2), ([7], 1), ([5, 5, 5, 5], 2), ([10, 1, 1, 1], 2), ([1, 10, 1, 1, 1], 3), ([3, 3, 3], 3), ([4, 4], 4),
+    ([8, 1, 1, 1, 1, 1, 1, 1, 1], 2), ([2, 1, 1, 2], 2), ([1, 2, 3, 4, 5, 6], 3), ([6, 5, 4, 3, 2, 1], 2),
+)
+
+
+def _random_case(rng: random.Random) -> tuple[list[int], int]:
+    ranks = rng.choice([1, 2, 2, 3, 4, 4, 5, 8])
+    count = rng.randint(0, 40)
+    kind = rng.choice(["equal", "uniform", "heavy", "engine"])
+    if kind == "equal":
+        size = rng.randint(1, 1 << 20)
+        sizes = [size] * count
+    elif kind == "uniform":
+        sizes = [rng.randint(1, 1000) for _ in range(count)]
+    elif kind == "heavy":
+        sizes = [int(rng.paretovariate(1.2) * 100) for _ in range(count)]
+    else:  # as the engine packs: full subgroups of one size, some parameters larger, a short last one
+        full = 1 << rng.randint(8, 22)
+        sizes = [rng.choice([full, full, full, full * rng.randint(2, 5)]) for _ in range(count)]
+        if sizes:
+            sizes[-1] = rng.randint(1, full)
+    return sizes, ranks
+
+
+@functools.lru_cache(maxsize=1)
+def cases() -> tuple:
+    rng = random.Random(1010)
+    return tuple((list(sizes), ranks) for sizes, ranks in HAND_CASES) + tuple(
+        _random_case(rng) for _ in range(RANDOM_CASES))
+
+
+def loads(sizes: list[int], owners: list[int], ranks: int) -> list[int]:
+    held = [0] * ranks
+    for size, rank in zip(sizes, owners, strict=True):
+        held[rank] += size
+    return held
+
+
+def _round_robin(sizes, ranks):
+    return [i % ranks for i in range(len(sizes))]
+
+
+def _ties_to_highest(sizes, ranks):
+    held, out = [0] * ranks, []
+    for size in sizes:
+        rank = min(range(ranks), key=lambda r: (held[r], -r))
+        out.append(rank)
+        held[rank] += size
+    return out
+
+
+def _largest_first(sizes, ranks):
+    held, out = [0] * ranks, [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        rank = min(range(ranks), key=lambda r: (held[r], r))
+        out[index] = rank
+        held[rank] += sizes[index]
+    return out
+
+
+def _contiguous(sizes, ranks):
+    total, out, before = sum(sizes), [], 0
+    for size in sizes:
+        out.append(min(ranks - 1, before * ranks // total) if total else 0)
+        before += size
+    return out
+
+
+MISTAKES = (  # (what it is, the map it gives), most specific first
+    ("that is round robin (subgroup i to rank i % ranks; balancing the number of subgroups per rank gives the same): "
+     "it ignores the sizes, so a rank that drew the large subgroups holds far more optimizer state than the "
+     "others. Balance elements: each subgroup to the rank holding the fewest so far", _round_robin),
+    ("ties go to the lowest rank: among the ranks holding equally few elements, take the one with the smallest "
+     "number, so that every rank computes the same map", _ties_to_highest),
+    ("the subgroups were taken largest first: keep their order (0, 1, 2, ...), each to the rank holding the fewest "
+     "elements so far; every rank must derive the same map from the same list, and the engine reduces them in "
+     "that order", _largest_first),
+    ("contiguous ranges of subgroups by cumulative size: each subgroup goes, in order, to the rank holding the "
+     "fewest elements so far", _contiguous),
+)
+
+
+def _call(sizes, ranks) -> str:
+    shown = repr(sizes) if len(sizes) <= 12 else f"[{', '.join(map(str, sizes[:12]))}, ... ({len(sizes)} sizes)]"
+    return f"owners({shown}, {ranks})"
+
+
+def _valid(got, sizes: list[int], ranks: int, call: str) -> list[int]:
+    if not isinstance(got, (list, tuple)) or len(got) != len(sizes):
+        raise AssertionError(f"{call} returned {got!r:.100}; expected a list of {len(sizes)} ranks, one per subgroup")
+    for index, rank in enumerate(got):
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
+            raise AssertionError(f"{call} gives subgroup {index} to {rank!r:.40}; expected a rank in 0..{ranks - 1}")
+    return list(got)
+
+
+def _property_broken(sizes: list[int], got: list[int], ranks: int) -> str:
+    held = loads(sizes, got, ranks)
+    idle = [r for r in range(ranks) if r not in got]
+    if len(sizes) >= ranks and idle:
+        who = f"rank {idle[0]} owns" if len(idle) == 1 else f"ranks {idle} own"
+        return (f"{who} no subgroup, though there are {len(sizes)} subgroups for {ranks} ranks: an idle "
+                "rank holds no optimizer state and updates nothing while the others work")
+    if sizes and max(held) - min(held) > max(sizes):
+        return (f"the ranks hold {held} elements: the heaviest exceeds the lightest by {max(held) - min(held)}, more "
+                f"than the largest subgroup ({max(sizes)}); the fewest-so-far rule never lets that happen")
+    return ""
+
+
+def _hint(sizes: list[int], got: list[int], ranks: int) -> str:
+    for what, mistake in MISTAKES:
+        if got == mistake(sizes, ranks) and got != shard_owners(sizes, ranks):
+            return what
+    return ("in order, each subgroup goes to the rank holding the fewest elements so far (counting the subgroups "
+            "given before it), ties to the lowest rank")
+
+
+@grader("10.1")
+def shard_map(fn: Callable) -> str:
+    """fn(sizes, ranks) -> the owner rank of each subgroup of `sizes` elements."""
+    for sizes, ranks in cases():
+        call = _call(sizes, ranks)
+        given = list(sizes)
+        got = _valid(fn(given, ranks), sizes, ranks, call)
+        if given != sizes:
+            raise AssertionError(f"{call} changed its list of sizes (to {given[:12]!r}...): the engine's subgroups "
+                                 "keep their order; work on a copy")
+        want = shard_owners(sizes, ranks)
+        if got != want:
+            broken = _property_broken(sizes, got, ranks)
+            held = loads(sizes, got, ranks)
+            shown = f"{got}" if len(got) <= 12 else f"{got[:12]}... (loads {held})"
+            expected = f"{want}" if len(want) <= 12 else f"{want[:12]}... (loads {loads(sizes, want, ranks)})"
+            raise AssertionError(f"{call} returned {shown}; the engine's map is {expected}: "
+                                 f"{broken + '; ' if broken else ''}{_hint(sizes, got, ranks)}")
+        again = fn(list(sizes), ranks)
+        if list(again) != got:
+            raise AssertionError(f"{call} returned {got} and then {list(again)}: every rank computes the map on its "
+                                 "own, so it must be the same every time (no randomness, no state kept between calls)")
+    spread = sum(len(s) >= r > 1 for s, r in cases())
+    return (f"{len(cases())} lists of subgroup sizes ({len(HAND_CASES)} by hand, {RANDOM_CASES} random, 1 to 8 ranks): "
+            f"your map is the engine's; in the {spread} with at least as many subgroups as ranks (and more than one "
+            "rank) every rank owns some, and the heaviest rank holds at most the lightest's elements plus the largest "
+            "subgroup")
+
+
+from . import lab10_gather, lab10_reduce  # noqa: E402, F401  (their graders: Tasks 10.2 and 10.3)

@@ -42,8 +42,10 @@ model's home is the master itself). Delayed updates and hybrid splits need the w
 
 With `shard=` (a `Shard`, chapter 10, sharding.py) each of N ranks owns about 1/N of the subgroups: a subgroup's
 gradients are summed into its owner when its last one arrives, only the owner holds its state and updates it, and
-its new weights are broadcast from there. Gradients are averaged over the ranks (the coefficient takes 1/N). The
-hybrid split, delayed updates and streamed weights are refused with a shard (not built for it yet).
+its new weights are broadcast from there. Gradients are averaged over the ranks (the coefficient takes 1/N). With
+streamed weights too, every rank keeps the whole weights at home (the masters are sharded, so none is a home) and a
+subgroup holding streamed weights is broadcast in host memory, into every rank's home. The hybrid split and delayed
+updates are refused with a shard (not built for it).
 """
 
 from __future__ import annotations
@@ -59,13 +61,14 @@ from .device_path import DevicePath
 from .gradnorm import sum_of_squares
 from .layout import STATE, Slot, Subgroup, Where
 from .nvme_tier import NvmeTier
+from .offload_sharded import ShardedSteps
 from .options import OffloadOptions
-from .sharding import WeightGather, settings_of
+from .sharding import WeightGather
 
 HYPER = ("lr", "betas", "eps", "weight_decay")  # what each param group gives the update
 
 
-class OffloadAdam(torch.optim.Optimizer):
+class OffloadAdam(ShardedSteps, torch.optim.Optimizer):
     """AdamW whose state lives in pinned host memory and whose update runs on the CPU.
 
     `dev` is a minioffload device (device.py) holding the model's parameters (`dev.place(model)`). lr, betas,
@@ -85,9 +88,9 @@ class OffloadAdam(torch.optim.Optimizer):
         if streamer is not None and (options.delayed or options.hybrid):
             raise ValueError("streamed weights are updated on the CPU and sent home between steps: "
                              "delay_updates_after, gpu_fraction and stride need them on the device; leave them off")
-        if shard is not None and (options.delayed or options.hybrid or streamer is not None):
-            raise ValueError("sharded offload (shard=) runs the synchronous CPU update with the weights on the "
-                             "device: leave delay_updates_after, gpu_fraction, stride and streamed weights off")
+        if shard is not None and (options.delayed or options.hybrid):
+            raise ValueError("sharded offload (shard=) runs the synchronous CPU update on the host: leave "
+                             "delay_updates_after, gpu_fraction and stride off")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not trainable:
@@ -120,16 +123,6 @@ class OffloadAdam(torch.optim.Optimizer):
             slot.param.register_post_accumulate_grad_hook(self._offload_grad)
 
     # layout -------------------------------------------------------------------------------------
-    def _share_out(self) -> None:
-        """Sharded: every rank checks that all run the same settings, then takes its subgroups."""
-        mixed = [i for i, sub in enumerate(self.subgroups) if len({s.param.dtype for s in sub.slots}) > 1]
-        if mixed:
-            raise ValueError(f"sharded offload sends each subgroup as one buffer, and subgroups {mixed} mix dtypes: "
-                             "cast the model to one dtype")
-        self.shard.check_same(settings_of(self))
-        for sub, owner in zip(self.subgroups, self.shard.assign([sub.numel for sub in self.subgroups]), strict=True):
-            sub.owner = owner
-
     def _mine(self, sub: Subgroup) -> bool:
         return self.shard is None or sub.owner == self.shard.rank
 
@@ -178,8 +171,8 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def _share_homes(self) -> None:
         """An fp32 streamed weight needs no copy of its own at home: the master is it (Tiny-Pipe's point)."""
-        if self.streamer is None or self.nvme is not None:
-            return
+        if self.streamer is None or self.nvme is not None or self.shard is not None:
+            return  # sharded: a rank holds the masters of its own subgroups only, so each keeps its own home
         for slot in self._slots.values():
             if slot.param.dtype == torch.float32 and self.streamer.streams(slot.param):
                 self.streamer.share_home(slot.param, self._master(slot))
@@ -234,37 +227,6 @@ class OffloadAdam(torch.optim.Optimizer):
         slot.pending.append((done, staging))
         slot.has_grad = True
 
-    def _gather_grad(self, slot: Slot) -> None:
-        """Sharded: a gradient waits on the device until its subgroup is complete; then the subgroup goes."""
-        self.dev.adopt(slot.param.grad, "grad")
-        slot.has_grad = True
-        slot.subgroup.arrived += 1
-        if slot.subgroup.arrived == len(slot.subgroup.slots):
-            self._reduce(slot.subgroup)
-
-    def _reduce(self, sub: Subgroup) -> None:
-        """Pack a subgroup's gradients into one buffer, sum it into the owner, which copies it to the host."""
-        index = self._index[id(sub)]
-        grads = [s.param.grad if s.param.grad is not None else torch.zeros_like(s.param) for s in sub.slots]
-        flat = self.dev.adopt(torch.cat([grad.reshape(-1) for grad in grads]), "grad bucket")
-        for s in sub.slots:
-            s.param.grad = None
-        sub.arrived = 0
-        with self.dev.trace.span("net", f"reduce {index}", flat.numel() * flat.element_size()):
-            self.shard.reduce(flat, index)
-        if not self._mine(sub):
-            return
-        for s in sub.slots:
-            self._add_pending(s)  # the previous micro-batch's copy is added in before the staging is reused
-        staging = sub.staging["staging", flat.dtype]
-        self.dev.stream_waits_for_compute(self.d2h)
-        self.dev.copy(staging, flat, self.d2h, name="d2h grad")
-        self.dev.keep_alive(flat, self.d2h)
-        done = self.dev.event()
-        done.record(self.d2h)
-        for s in sub.slots:
-            s.pending.append((done, self._staging(s)))
-
     def _add_pending(self, slot: Slot) -> None:
         if slot.pending:
             self._join_update()  # the delayed update may still be reading the gradient buffer
@@ -313,16 +275,6 @@ class OffloadAdam(torch.optim.Optimizer):
         self._next_forward_waits()
         return loss
 
-    def _reduce_the_rest(self) -> None:
-        """Sharded: subgroups some of whose parameters got no gradient, and the gradients kept on the device."""
-        for sub in self.subgroups:
-            if sub.arrived:
-                self._reduce(sub)
-        for p in self.kept:
-            if p.grad is not None:
-                with self.dev.trace.span("net", "all-reduce kept", p.grad.numel() * p.grad.element_size()):
-                    self.shard.all_reduce(p.grad, "the gradients kept on the device")
-
     def _update_all(self, coef: float, fresh: list[Slot], hyper: dict, send: bool) -> list[Slot]:
         """CPU Adam over every subgroup; `send`: each subgroup's weights go up while the next one updates,
         else (delayed) they are rounded into the upload buffers for the next step() to send."""
@@ -338,7 +290,7 @@ class OffloadAdam(torch.optim.Optimizer):
             subgroups = self.nvme.visit(subgroups)
         gather = None
         if self.shard is not None:  # the others' weights are received in order, between this rank's updates
-            gather = WeightGather(self.shard, self.dev, in_flight=2 * self.shard.world)
+            gather = WeightGather(self.shard, self.dev, self._write_weights, in_flight=2 * self.shard.world)
             subgroups = self._interleave(subgroups, fresh_ids, gather)
         for sub in subgroups:
             slots = [s for s in sub.slots if id(s) in fresh_ids]
@@ -359,36 +311,6 @@ class OffloadAdam(torch.optim.Optimizer):
         if self.streamer is not None:
             self.streamer.updated()
         return fresh
-
-    def _interleave(self, own, fresh_ids: set, gather: WeightGather):
-        """Sharded: yield this rank's subgroups to update, in order; between them, receive the other ranks'
-        weights, so that every rank issues the same broadcasts in the same order."""
-        own = iter(own)
-        for index, sub in enumerate(self.subgroups):
-            if not any(id(s) in fresh_ids for s in sub.slots):
-                continue  # no gradient on any rank: unchanged everywhere
-            if self._mine(sub):
-                yield next(own)
-            else:
-                gather.receive(index, sub.numel, sub.slots[0].param.dtype, sub.slots)
-        if next(own, None) is not None:  # resumed once more: the NVMe tier writes the last subgroup back
-            raise RuntimeError("a subgroup of this rank was left out of the update: the shard map and the "
-                               "subgroups disagree")
-
-    def _send_subgroup(self, sub: Subgroup, gather: WeightGather) -> None:
-        """Sharded: the subgroup's new weights up in one copy, then broadcast from this rank to the others."""
-        dtype = sub.slots[0].param.dtype
-        source = sub.buffers["master"]
-        if dtype != torch.float32:
-            source = sub.staging["staging", dtype]
-            source.copy_(sub.buffers["master"])  # round to the model's dtype, on the CPU
-        flat = self.dev.empty(sub.numel, dtype, "weights in flight")
-        self.dev.stream_waits_for_compute(self.h2d)
-        self.dev.copy(flat, source, self.h2d, name="h2d weights")
-        landed = self.dev.event()
-        landed.record(self.h2d)
-        self.dev.compute_waits_for(landed)  # the broadcast reads it (on the sim the host waits here)
-        gather.send(self._index[id(sub)], flat, sub.slots)
 
     def _update_on_device(self, coef: float, fresh: list[Slot], hyper: dict) -> None:
         """Queue the device path of the hybrid update (device_path.py); returns at once."""

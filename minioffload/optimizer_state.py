@@ -121,7 +121,9 @@ def load(opt, state_dict: dict) -> None:
 
 def _share_weights(opt, saved: dict, positions: dict) -> None:
     """Sharded: each owner's state to its disk (NVMe tier), its weights up and broadcast to every rank."""
-    gather = WeightGather(opt.shard, opt.dev, in_flight=2 * opt.shard.world)
+    if opt.streamer is not None:
+        opt.streamer.quiesce()  # homes change below
+    gather = WeightGather(opt.shard, opt.dev, opt._write_weights, in_flight=2 * opt.shard.world)
     own = opt.nvme.visit(opt._on_cpu()) if opt.nvme is not None else opt._on_cpu()
     for sub in opt._interleave(own, {id(slot) for slot in opt._slots.values()}, gather):
         if opt.nvme is not None:

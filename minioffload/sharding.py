@@ -159,44 +159,44 @@ class Shard:
 
 class WeightGather:
     """Broadcast each subgroup's new weights from its owner, in subgroup order, without waiting: at most
-    `in_flight` broadcasts pending (each holds a flat device buffer); `finish()` writes the rest into the model.
+    `in_flight` broadcasts pending (each holds a flat buffer); as each ends, `write(slots, flat)` puts the weights
+    in the model; `finish()` waits for the rest. A flat buffer is on the device, or in host memory (`on_host`: on the
+    host group) for weights whose home is there.
 
     The owner passes its uploaded buffer (after the upload's event), the others a fresh one the broadcast fills;
     once it is done, every rank copies the buffer into the parameters. Every rank issues the same broadcasts in
     the same order."""
 
-    def __init__(self, shard: Shard, dev, in_flight: int):
-        self.shard, self.dev, self.in_flight = shard, dev, max(1, in_flight)
+    def __init__(self, shard: Shard, dev, write, in_flight: int):
+        self.shard, self.dev, self.write, self.in_flight = shard, dev, write, max(1, in_flight)
         self.pending: deque = deque()
 
-    def send(self, index: int, flat: torch.Tensor, slots) -> None:
-        """This rank owns subgroup `index`: `flat` holds its new weights (the upload into it has landed)."""
-        self._issue(index, flat, slots, write=True)
+    def send(self, index: int, flat: torch.Tensor, slots, on_host: bool = False) -> None:
+        """This rank owns subgroup `index`: `flat` holds its new weights (an upload into it has landed)."""
+        self._issue(index, flat, slots, on_host)
 
-    def receive(self, index: int, numel: int, dtype: torch.dtype, slots) -> None:
-        flat = self.dev.empty(numel, dtype, "weights in flight")
-        self._issue(index, flat, slots, write=True)
+    def receive(self, index: int, numel: int, dtype: torch.dtype, slots, on_host: bool = False) -> None:
+        flat = self.dev.host_empty(numel, dtype) if on_host else self.dev.empty(numel, dtype, "weights in flight")
+        self._issue(index, flat, slots, on_host)
 
-    def _issue(self, index, flat, slots, write: bool) -> None:
+    def _issue(self, index, flat, slots, on_host: bool) -> None:
         while len(self.pending) >= self.in_flight:
             self._complete()
         shard = self.shard
         shard.net_bytes += flat.numel() * flat.element_size()
         owner = self.shard.owners[index]
+        group = shard.host_group if on_host else shard.group
         work = shard._run(f"the broadcast of subgroup {index}'s weights from rank {owner}",
-                          lambda: dist.broadcast(flat, src=_global(shard.group, owner), group=shard.group,
-                                                 async_op=True))
-        self.pending.append((index, work, flat, slots, write))
+                          lambda: dist.broadcast(flat, src=_global(group, owner), group=group, async_op=True))
+        self.pending.append((index, work, flat, slots))
 
     def _complete(self) -> None:
-        index, work, flat, slots, write = self.pending.popleft()
+        index, work, flat, slots = self.pending.popleft()
         owner = self.shard.owners[index]
         with self.dev.trace.span("net", f"broadcast {index}", flat.numel() * flat.element_size()):
             self.shard._run(f"the broadcast of subgroup {index}'s weights from rank {owner}",
                             lambda: work.wait(self.shard.timeout))
-        if write:  # on the compute stream: the next forward reads them after this
-            for slot in slots:
-                slot.param.data.copy_(slot.shaped(flat))
+        self.write(slots, flat)
 
     def finish(self) -> None:
         while self.pending:

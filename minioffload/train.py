@@ -131,9 +131,9 @@ class TrainConfig:
         if self.params_on != "device" and (self.optimizer.delayed or self.optimizer.hybrid):
             raise ValueError(f"TrainConfig.params_on={self.params_on!r} updates the streamed weights on the CPU: "
                              "delay_updates_after, gpu_fraction and stride need them on the device")
-        if self.shard and (self.params_on != "device" or self.optimizer.delayed or self.optimizer.hybrid):
-            raise ValueError("TrainConfig.shard runs the synchronous CPU update with the weights on the device: "
-                             "leave params_on='device' and delay_updates_after, gpu_fraction, stride unset")
+        if self.shard and (self.optimizer.delayed or self.optimizer.hybrid):
+            raise ValueError("TrainConfig.shard runs the synchronous CPU update: leave delay_updates_after, "
+                             "gpu_fraction and stride unset")
         needs_offload = (self.optimizer.offload_only() + (["shard"] if self.shard else [])
                          + (["nvme_dir"] if self.nvme_dir is not None else [])
                          + (["params_on"] if self.params_on != "device" else []))
@@ -278,9 +278,10 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard=None)
     if config.params_on == "device":
         dev.place(model)
     else:  # the blocks' weights stay home and come up block by block; the rest is placed
-        if config.params_on == "nvme":
-            (Path(config.nvme_dir) / "weights").mkdir(exist_ok=True)
-            weights_home = Swapper(Path(config.nvme_dir) / "weights")
+        if config.params_on == "nvme":  # sharded: each rank its own copy, beside its optimizer state
+            weights_dir = (nvme_dir if shard is not None else Path(config.nvme_dir)) / "weights"
+            weights_dir.mkdir(exist_ok=True)
+            weights_home = Swapper(weights_dir)
         streamer = ParamStreamer(model, dev, prefetch=config.prefetch, home=config.params_on,
                                  swapper=weights_home)
     names = config.activations.split(",")

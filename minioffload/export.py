@@ -195,11 +195,11 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def to_deepspeed_config(plan: Plan, world_size: int = 1, *, nvme_path: str = "/local_nvme", lr: float = LR,
+def to_deepspeed_config(plan: Plan, world_size: int | None = None, *, nvme_path: str = "/local_nvme", lr: float = LR,
                         weight_decay: float = WEIGHT_DECAY, block_size: int = BLOCK_SIZE, workers: int = WORKERS,
                         queue_depth: int = 8, deepspeed_version: str | None = None, comments: bool = True) -> dict:
     """The DeepSpeed config (a dict for `json.dump` or `deepspeed.initialize(config=...)`) closest to `plan` on
-    `world_size` GPUs, each running the plan's micro-batch. The NVMe homes go under `nvme_path`.
+    `world_size` GPUs (default: the plan's ranks), each running the plan's micro-batch. The NVMe homes go under `nvme_path`.
 
     The "aio" section is the NVMe tier's I/O: `block_size` bytes per request and `workers` threads splitting each
     tensor (the Swapper's settings, nvme_tune.tune's best row); `queue_depth` requests in flight per thread, which
@@ -216,6 +216,7 @@ def to_deepspeed_config(plan: Plan, world_size: int = 1, *, nvme_path: str = "/l
     The "optimizer" section is AdamW with TrainConfig's lr and torch's other defaults: with offload DeepSpeed
     builds its CPU Adam from it, which its partial offload (`ratio`) requires.
     """
+    world_size = plan.ranks if world_size is None else world_size  # default: the ranks the plan was made for
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int (GPUs, each running the plan), got {world_size!r}")
     spec, stage = plan.model, _stage(plan)

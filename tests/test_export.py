@@ -151,6 +151,8 @@ def test_deepspeed_batch_counts_every_gpu(ds, monkeypatch):
         ds.DeepSpeedConfig(to_deepspeed_config(HOST, world_size=1))  # its batch is one GPU's
     with pytest.raises(ValueError, match="world_size"):
         to_deepspeed_config(HOST, world_size=0)
+    four_ranks = dataclasses.replace(HOST, ranks=4)  # a plan made for 4 ranks: its config counts them all
+    assert ds.DeepSpeedConfig(to_deepspeed_config(four_ranks)).train_batch_size == parsed.train_batch_size
 
 
 def test_deepspeed_aio_follows_the_swapper_and_the_release():

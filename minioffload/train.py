@@ -262,6 +262,8 @@ def _join(config: TrainConfig):
     if "WORLD_SIZE" not in os.environ:
         raise ValueError("TrainConfig.shard needs torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR): run "
                          "`torchrun --nproc-per-node N -m minioffload train --shard ...`")
+    if _on_cuda(config):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # NCCL's communicators use the current device
     sharding.init("cuda" if _on_cuda(config) else "sim")
     return sharding.Shard()
 

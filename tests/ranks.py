@@ -46,7 +46,9 @@ def run_ranks(fn, world: int, *args, timeout_s: float = TIMEOUT_S, expect_errors
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_rank, args=(world, free_port(), out_dir, fn, args, timeout_s), nprocs=world,
                            join=True, start_method="spawn")
-        results = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+        results = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
+                   if (Path(out_dir) / f"rank{r}.pt").is_file()
+                   else {"error": f"rank {r} exited without a result", "traceback": "(none)"} for r in range(world)]
     if expect_errors:
         return results
     errors = [f"rank {r}: {res['traceback']}" for r, res in enumerate(results) if "error" in res]

@@ -199,7 +199,8 @@ def to_deepspeed_config(plan: Plan, world_size: int | None = None, *, nvme_path:
                         weight_decay: float = WEIGHT_DECAY, block_size: int = BLOCK_SIZE, workers: int = WORKERS,
                         queue_depth: int = 8, deepspeed_version: str | None = None, comments: bool = True) -> dict:
     """The DeepSpeed config (a dict for `json.dump` or `deepspeed.initialize(config=...)`) closest to `plan` on
-    `world_size` GPUs (default: the plan's ranks), each running the plan's micro-batch. The NVMe homes go under `nvme_path`.
+    `world_size` GPUs (default: the plan's ranks), each running the plan's micro-batch. The NVMe homes go under
+    `nvme_path`.
 
     The "aio" section is the NVMe tier's I/O: `block_size` bytes per request and `workers` threads splitting each
     tensor (the Swapper's settings, nvme_tune.tune's best row); `queue_depth` requests in flight per thread, which

@@ -209,19 +209,24 @@ def _compute_s(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits) -> fl
 
 def fit_compute(seconds: dict[int, float], model: ModelSpec) -> tuple[float, float]:
     """(FLOP/s, block_overhead_s) from measured forward + backward seconds per micro-batch size ({micro_batch:
-    seconds}, two sizes or more): a least-squares line, seconds = overhead + micro_batch x per_sequence. The FLOP/s
-    is what forward and backward reach: set it as the profile's peak with mfu 1, or divide by the peak for mfu."""
+    seconds}, two sizes or more): a line, seconds = overhead + micro_batch x per_sequence. The FLOP/s is what forward
+    and backward reach: set it as the profile's peak with mfu 1, or divide by the peak for mfu.
+
+    The line is Theil-Sen's (the median of the pairwise slopes, then the median intercept), not least squares: on a
+    shared machine one size measured during another process's burst would tilt a least-squares line, even negative."""
     if len(seconds) < 2:
         raise ValueError(f"fit_compute needs forward+backward times at two micro-batch sizes or more, got "
                          f"{sorted(seconds)}")
-    import numpy as np
+    import statistics
+    from itertools import combinations
 
-    sizes = np.array(sorted(seconds), dtype=float)
-    slope, intercept = np.polyfit(sizes, np.array([seconds[int(m)] for m in sizes]), 1)
+    points = sorted(seconds.items())
+    slope = statistics.median((t2 - t1) / (m2 - m1) for (m1, t1), (m2, t2) in combinations(points, 2))
     if slope <= 0:
         raise ValueError(f"forward+backward did not grow with the micro-batch ({seconds}): measure on a quieter "
                          "machine or with larger micro-batches")
-    return 6 * model.num_params * model.seq_len / slope, max(float(intercept), 0.0) / model.n_layer
+    intercept = statistics.median(t - slope * m for m, t in points)
+    return 6 * model.num_params * model.seq_len / slope, max(intercept, 0.0) / model.n_layer
 
 
 def _accumulation_s(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits) -> float:

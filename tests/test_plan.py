@@ -170,6 +170,11 @@ def test_fit_compute_recovers_a_line():
     assert flops / hw.peak_flops("fp32") == pytest.approx(0.3) and overhead == pytest.approx(2e-3)
     with pytest.raises(ValueError, match="two micro-batch sizes"):
         plan.fit_compute({4: 0.1}, spec)
+    # one size measured during another process's burst (seen in CI) moves the line by nothing
+    stalled = {**measured, 2: 6 * measured[2]}
+    assert plan.fit_compute(stalled, spec) == pytest.approx((flops, overhead))
+    with pytest.raises(ValueError, match="did not grow"):
+        plan.fit_compute({1: 0.3, 2: 0.2, 4: 0.1}, spec)
 
 
 def test_plans_run_on_the_sim_within_the_device_memory_they_predict(tmp_path):

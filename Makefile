@@ -26,17 +26,21 @@ $(VENV_STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[course,book,dev]"
 	touch $@
 
-# The static book serves require.js, the widget manager and MathJax itself (no CDN at read time).
+# The static book serves require.js, the widget manager, MathJax and Vega itself (no CDN at read time).
 $(VENDOR_STAMP): tools/vendor/package.json tools/vendor/package-lock.json
 	cd tools/vendor && npm ci --no-audit --no-fund --loglevel=error
-	rm -rf book/_vendor && mkdir -p book/_vendor/html-manager book/_vendor/mathjax
+	rm -rf book/_vendor && mkdir -p book/_vendor/html-manager book/_vendor/mathjax book/_vendor/vega
 	cp tools/vendor/node_modules/requirejs/require.js book/_vendor/require.min.js
 	cp -r tools/vendor/node_modules/@jupyter-widgets/html-manager/dist/. book/_vendor/html-manager/
 	cp -r tools/vendor/node_modules/mathjax/es5/. book/_vendor/mathjax/
+	# the explorers' charts (minioffload/course/explore/ loads these from the page, never from a CDN)
+	cp tools/vendor/node_modules/vega/build/vega.min.js tools/vendor/node_modules/vega-lite/build/vega-lite.min.js \
+	  tools/vendor/node_modules/vega-embed/build/vega-embed.min.js book/_vendor/vega/
 	rm -f book/_vendor/html-manager/*.map
 	touch $@
 
 book: $(VENV_STAMP) $(VENDOR_STAMP)
+	$(BIN)/python tools/make_student_labs.py --book
 	$(BIN)/jupyter-book build book --warningiserror --keep-going
 	@echo "The book: $(CURDIR)/book/_build/html/index.html"
 
@@ -58,7 +62,9 @@ test: $(VENV_STAMP) $(VENDOR_STAMP)
 
 # The book from the notebooks' stored outputs, without executing them again: `make test` runs it right after
 # nbval has executed every chapter and checked that it reproduces those outputs. (`make book` executes.)
+# Both book rules first write the lab pages, book/labs/ (git-ignored), from the labs' student copies.
 book-stored: $(VENV_STAMP) $(VENDOR_STAMP)
+	$(BIN)/python tools/make_student_labs.py --book
 	mkdir -p book/_build
 	sed 's/^  execute_notebooks: .*/  execute_notebooks: "off"/' book/_config.yml > book/_build/_config_stored.yml
 	$(BIN)/jupyter-book build book --config book/_build/_config_stored.yml --warningiserror --keep-going

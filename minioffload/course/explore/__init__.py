@@ -1,0 +1,22 @@
+"""Explorers that work in the static book page: interactive Vega-Lite charts, no kernel and no network.
+
+    from minioffload.course import explore
+    explore.footprint_chart()                 # chapter 1: bytes per tier against GPU memory
+    explore.timeline_chart(trace)             # chapters 2 and 4: a Trace's spans by lane, lane toggles, zoom
+    explore.plan_chart()                      # chapter 9: the planner's best plans over a precomputed grid
+
+Each returns a `Chart`: JupyterLab draws it with its Vega-Lite renderer, the book with the Vega scripts it serves
+itself (chart.py says how). What needs Python (memory.footprint, plan.search) is computed here into data tables;
+the page only filters them by its menus and multiplies by its sliders.
+
+What this is not: a replacement for `widgets` where a live kernel adds something (running the simulator); those
+stay as they are.
+"""
+
+from .chart import Chart
+from .footprint import footprint_chart, footprint_table
+from .plan import DEFAULT_GRID, plan_chart, plan_grid
+from .timeline import timeline_chart, timeline_table
+
+__all__ = ["DEFAULT_GRID", "Chart", "footprint_chart", "footprint_table", "plan_chart", "plan_grid", "timeline_chart",
+           "timeline_table"]

@@ -50,3 +50,29 @@ def test_chapter_one_shows_its_figures_and_check_verdicts():
     text = doc.get_text()
     assert "PASS mixed-precision Adam" in text or "PASS" in text
     assert "FAIL " not in text, "a check cell printed FAIL in the built book"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(HTML)))
+def test_no_page_shows_an_nbval_marker(page):
+    assert "NBVAL" not in page.read_text(), f"{page.name} shows an nbval comment marker: make it a cell tag"
+
+
+LAB_PAGES = sorted((HTML / "labs").glob("lab*.html")) if HTML.exists() else []
+
+
+def test_the_labs_are_a_part_of_the_book_with_the_instructors_page():
+    solutions = sorted((HTML.parents[2] / "exercises" / "solutions").glob("lab*.ipynb"))
+    assert [p.stem for p in LAB_PAGES] == [p.stem for p in solutions], "a lab has no page: see book/_toc.yml"
+    captions = [c.get_text(strip=True) for c in soup(HTML / "intro.html").select(".caption-text")]
+    assert "Chapters" in captions and "Labs" in captions, captions
+    assert (HTML / "instructors.html").exists()
+
+
+@pytest.mark.parametrize("page", LAB_PAGES, ids=lambda p: p.stem)
+def test_a_lab_page_says_how_to_open_it_and_shows_no_outputs(page):
+    doc = soup(page)
+    text = doc.get_text()
+    assert "make lab" in text and f"exercises/{page.stem}.ipynb" in text
+    assert f"exercises/solutions/{page.stem}.ipynb" in text, "the page does not say where the solutions are"
+    assert "NotImplementedError" in text, "the page does not show the student's stub code"
+    assert not doc.select(".cell_output"), "a lab page shows outputs: it must show the student copy, unexecuted"

@@ -68,3 +68,18 @@ def test_strip_solutions_replaces_each_region_at_its_indentation():
 def test_malformed_markers_are_refused(source, problem):
     with pytest.raises(ValueError, match=problem):
         strip_solutions(source)
+
+
+def test_a_book_lab_page_is_the_student_copy_with_a_preamble_and_not_executed():
+    from make_student_labs import book_notebook, student_notebook
+
+    solution = SOLUTIONS[0]
+    page, student = book_notebook(solution), student_notebook(solution)
+    assert page.metadata["mystnb"] == {"execution_mode": "off"}
+    assert page.cells[0].source.startswith("# Lab ")
+    preamble = page.cells[1].source
+    assert "make lab" in preamble and f"exercises/{solution.name}" in preamble
+    assert f"exercises/solutions/{solution.name}" in preamble and "**Task " in preamble
+    code = [c.source for c in page.cells if c.cell_type == "code"]
+    assert code == [c.source for c in student.cells if c.cell_type == "code"]
+    assert all(not c.outputs for c in page.cells if c.cell_type == "code")

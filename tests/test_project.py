@@ -36,3 +36,39 @@ def test_readme_shows_the_two_commands_and_ci_runs_the_test_one():
 def test_makefile_installs_the_cpu_torch_by_default():
     makefile = (ROOT / "Makefile").read_text()
     assert "TORCH_SPEC ?= torch==2.13.0" in makefile
+
+
+def _time_notebooks():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import time_notebooks
+
+    return time_notebooks
+
+
+def test_the_instructors_page_shows_the_times_the_tool_measured():
+    """The table in book/instructors.md is the one tools/time_notebooks.py renders from its JSON, for every
+    chapter and lab (run `python tools/time_notebooks.py` after adding or changing one)."""
+    import json
+
+    tool = _time_notebooks()
+    assert tool.OUT.exists(), f"{tool.OUT.relative_to(ROOT)} is missing: run `python tools/time_notebooks.py`"
+    results = json.loads(tool.OUT.read_text())
+    timed = sorted(row["notebook"] for row in results["rows"])
+    wanted = sorted(str(p.relative_to(ROOT)) for p in [*tool.CHAPTERS.glob("*.ipynb"), *tool.SOLUTIONS.glob("lab*")])
+    assert timed == wanted, "the times are not for every chapter and lab: run `python tools/time_notebooks.py`"
+    assert tool.page_table(tool.PAGE) == tool.render(results), (
+        "book/instructors.md's table is not the JSON's: run `python tools/time_notebooks.py --page-only`")
+
+
+def test_the_times_table_changes_with_the_times():
+    tool = _time_notebooks()
+    row = {"notebook": "book/chapters/01_x.ipynb", "kind": "chapter", "seconds": {"median": 12, "min": 11, "max": 14},
+           "words": 3000, "code_cells": 20, "tasks": 0}
+    results = {"machine": {"cores": 2, "cpu": "cpu", "python": "3", "torch": "2", "cuda": None},
+               "config": {"repeat": 3}, "rows": [row], "headline": {"chapters_seconds": 12, "labs_seconds": 0}}
+    table = tool.render(results)
+    assert "| 12 [11, 14] |" in table and "Not measured" in tool.render(None)
+    row["seconds"] = {"median": 30, "min": 29, "max": 31}
+    assert tool.render(results) != table

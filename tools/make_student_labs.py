@@ -10,7 +10,13 @@ The student copy replaces each region, markers included, with
 `raise NotImplementedError("Task 1.2")` at the marker's indentation, and drops every output, so
 a learner starts from a clean notebook whose check cells print TODO.
 
-Usage: python tools/make_student_labs.py [--check]   (--check: exit 1 if a copy is out of date)
+With --book it writes the book's lab pages instead: book/labs/labNN_*.ipynb (git-ignored, made by `make book`
+and `make book-stored`), each a student copy that opens with a block saying what the lab practises, how to open
+it in JupyterLab and where the solutions are, and that Jupyter Book does not execute (`mystnb.execution_mode`).
+It does not grade anything, and it never edits a solution.
+
+Usage: python tools/make_student_labs.py [--check] [--book] [LAB ...]
+       (--check: exit 1 if a copy is out of date; LAB: solution files or names such as lab02, default: all)
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = ROOT / "exercises" / "solutions"
+BOOK = ROOT / "book"
+BOOK_LABS = BOOK / "labs"
 BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION Task (?P<task>\d+\.\d+)\s*$")
 END = re.compile(r"^\s*# END SOLUTION\s*$")
+TASK_HEADING = re.compile(r"^#{2,3}\s+Task (?P<task>\d+\.\d+)(?P<title>.*)$", re.MULTILINE)
 
 
 def strip_solutions(source: str, where: str = "cell") -> str:
@@ -65,19 +74,104 @@ def student_path(solution_path: Path) -> Path:
     return solution_path.parent.parent / solution_path.name
 
 
+def book_path(solution_path: Path) -> Path:
+    return BOOK_LABS / solution_path.name
+
+
+def lab_number(solution_path: Path) -> int:
+    match = re.match(r"lab(\d+)_", solution_path.name)
+    if not match:
+        raise ValueError(f"{solution_path.name}: a lab's file name starts with labNN_ (lab01_memory.ipynb)")
+    return int(match[1])
+
+
+def tasks_practised(nb: nbformat.NotebookNode) -> list[tuple[str, str]]:
+    """(task id, title) for each `## Task N.M: title` heading of the lab, in order."""
+    found = []
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            found += [(m["task"], m["title"].strip(" :")) for m in TASK_HEADING.finditer(cell.source)]
+    return found
+
+
+def book_preamble(solution_path: Path, nb: nbformat.NotebookNode) -> str:
+    """The block a lab page opens with: what it practises, how to open it, where the solutions are."""
+    number = lab_number(solution_path)
+    tasks = tasks_practised(nb)
+    if not tasks:
+        raise ValueError(f"{solution_path.name}: no `## Task N.M: title` heading, so the book page cannot say "
+                         "what the lab practises; give each task such a heading")
+    chapter = sorted((BOOK / "chapters").glob(f"{number:02d}_*.ipynb"))
+    companion = f" It goes with [Chapter {number}](../chapters/{chapter[0].name})." if chapter else ""
+    lines = [
+        "```{admonition} How to work on this lab",
+        ":class: tip",
+        f"This page shows Lab {number}'s tasks and the code you start from; nothing on it has been run.{companion}",
+        "The lab practises:",
+        "",
+        *[f"- **Task {task}**: {title}" for task, title in tasks],
+        "",
+        "To work on it, run `make lab` in the repository's root folder, then open "
+        f"`exercises/{solution_path.name}` in JupyterLab and run the cells from the top: each check cell "
+        "prints `PASS`, `FAIL` with the reason, or `TODO` while the task's function still raises "
+        "`NotImplementedError`.",
+        "",
+        f"Instructors: the reference solutions are in `exercises/solutions/{solution_path.name}`; "
+        "[For instructors](../instructors.md) says how to grade a class.",
+        "```",
+    ]
+    return "\n".join(lines)
+
+
+def book_notebook(solution_path: Path) -> nbformat.NotebookNode:
+    """The student copy as a book page: the preamble under its title, and never executed by Jupyter Book."""
+    nb = student_notebook(solution_path)
+    preamble = nbformat.v4.new_markdown_cell(book_preamble(solution_path, nb), id="lab-preamble")
+    first = nb.cells[0] if nb.cells else None
+    if first is not None and first.cell_type == "markdown" and first.source.startswith("# "):
+        title, _, rest = first.source.partition("\n")
+        first.source = rest.lstrip("\n")
+        nb.cells[:0] = [nbformat.v4.new_markdown_cell(title, id="lab-title"), preamble]
+    else:
+        nb.cells.insert(0, preamble)
+    nb.cells = [cell for cell in nb.cells if cell.source.strip() or cell.cell_type == "code"]
+    nb.metadata["mystnb"] = {"execution_mode": "off"}
+    nbformat.validator.normalize(nb)
+    return nb
+
+
+def selected(names: list[str]) -> list[Path]:
+    solutions = sorted(SOLUTIONS.glob("lab*.ipynb"))
+    if not names:
+        return solutions
+    chosen = []
+    for name in names:
+        stem = Path(name).stem
+        matches = [s for s in solutions if s.stem == stem or s.stem.startswith(stem + "_")]
+        if not matches:
+            raise SystemExit(f"no lab solution matches {name!r} in {SOLUTIONS.relative_to(ROOT)}; "
+                             f"known: {', '.join(s.stem for s in solutions)}")
+        chosen += matches
+    return chosen
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if a student copy is out of date")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a generated copy is out of date")
+    parser.add_argument("--book", action="store_true", help="write the book's lab pages in book/labs/ instead")
+    parser.add_argument("labs", nargs="*", help="solution files or lab names (lab02); default: every lab")
     args = parser.parse_args()
+    make, where = (book_notebook, book_path) if args.book else (student_notebook, student_path)
     stale = []
-    for solution in sorted(SOLUTIONS.glob("lab*.ipynb")):
-        text = nbformat.writes(student_notebook(solution)) + "\n"
-        target = student_path(solution)
+    for solution in selected(args.labs):
+        text = nbformat.writes(make(solution)) + "\n"
+        target = where(solution)
         if target.exists() and target.read_text() == text:
             continue
         if args.check:
             stale.append(target.relative_to(ROOT))
         else:
+            target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(text)
             print(f"wrote {target.relative_to(ROOT)}")
     if stale:

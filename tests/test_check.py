@@ -3,7 +3,6 @@ own frames."""
 
 import inspect
 import json
-import math
 import re
 from pathlib import Path
 
@@ -15,16 +14,17 @@ from minioffload.course import check
 
 REFERENCE = {
     "1.1": lambda precision, optimizer: memory.footprint(precision, optimizer).per_param(),
-    "1.2": lambda s, b, h, a, ckpt: memory.activation_bytes_per_layer(s, b, h, a, checkpointing=ckpt),
-    "1.3": lambda gpu, precision, placement: math.floor(
-        memory.max_params_that_fit(gpu, memory.footprint(precision, "adam", placement))),
-    "1.4": lambda n, device, host: memory.first_placement_that_fits(n, device, host_bytes=host),
+    "1.2": lambda s, b, h, a, layers, flash: (
+        layers * memory.activation_bytes_per_layer(s, b, h, a, flash_attention=flash), "B"),
+    "1.3": lambda hw, placement: (
+        memory.max_params_that_fit(hw.device_memory, memory.footprint("mixed_bf16", "adam", placement)), "params"),
+    "1.4": lambda n, hw: memory.first_placement_that_fits(n, hw.device_memory, host_bytes=hw.host_memory),
 }
 WRONG = [  # plausible mistakes a learner makes
     ("1.1", lambda precision, optimizer: 16, "expected"),  # the famous number for every setup
-    ("1.2", lambda s, b, h, a, ckpt: 34 * s * b * h, "expected"),  # forgot the attention scores
-    ("1.3", lambda gpu, precision, placement: int(gpu // 16), "expected"),  # ignored the placement
-    ("1.4", lambda n, device, host: "optimizer_cpu" if 16 * n > device else "device", "expected"),  # ignored host
+    ("1.2", lambda s, b, h, a, layers, flash: (layers * 34 * s * b * h, "B"), "expected"),  # forgot the scores
+    ("1.3", lambda hw, placement: (hw.device_memory / 16, "params"), "expected"),  # ignored the placement
+    ("1.4", lambda n, hw: "optimizer_cpu" if 16 * n > hw.device_memory else "device", "expected"),  # ignored host
 ]
 
 test_reference_passes = reference_passes(REFERENCE)
@@ -126,3 +126,36 @@ def test_no_grader_holds_a_line_of_a_tasks_solution():
     graded = {line.split("#")[0].strip() for m in graders for line in inspect.getsource(m).splitlines()}
     shared = [(lab, line) for lab, line in solution_lines() if line in graded]
     assert not shared, f"{shared[0][0]}: a grader holds the solution's line {shared[0][1]!r}"
+
+
+def test_in_a_notebook_a_frame_is_named_by_its_cell(monkeypatch):
+    # IPython compiles each cell into a temporary file and maps it to the cell's execution count
+    from minioffload.course.check import grading
+
+    monkeypatch.setattr(grading, "_notebook_cells", lambda: {__file__: 7})
+    lines = check.grade("1.1", crashes_in_a_helper).traceback.splitlines()
+    frames = [line for line in lines if line.startswith("  File ")]
+    line_of = {name: inspect.getsourcelines(fn)[1] + 1 for name, fn in
+               (("crashes_in_a_helper", crashes_in_a_helper), ("_lookup", _lookup))}
+    assert frames == [f'  File "Cell In[7]", line {line_of[name]}, in {name}' for name in ("crashes_in_a_helper",
+                                                                                          "_lookup")]
+    assert any(line.strip().startswith("return table[key]") for line in lines)  # the cell's line is still shown
+    assert lines[-1] == "KeyError: 'fp32'"
+
+
+def test_a_kernel_cell_shows_its_cell_number_and_line(tmp_path):
+    # the real thing: a Jupyter kernel runs a learner's helper that raises; the FAIL shows that cell and line
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook()
+    helper = ("def _lookup(table, key):\n    value = table[key]\n    return value\n\n\n"
+              "def bytes_per_param(precision, optimizer):\n    return _lookup({}, precision)")
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in
+                ("from minioffload.course import check", helper, 'check.task("1.1", bytes_per_param)')]
+    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    lines = "".join(o.get("text", "") for o in nb.cells[2].outputs if o.output_type == "stream").splitlines()
+    assert lines[0] == "FAIL Task 1.1: your function raised KeyError: 'fp32'"
+    frames = [line for line in lines if line.startswith("  File ")]
+    assert frames == ['  File "Cell In[2]", line 7, in bytes_per_param', '  File "Cell In[2]", line 2, in _lookup']
+    assert lines[-1] == "KeyError: 'fp32'"

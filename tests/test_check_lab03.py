@@ -1,12 +1,15 @@
 """Lab 3 verdicts: right answers pass, plausible mistakes fail with a reason, stubs say TODO."""
 
 import math
+import re
 
+import numba
 import numpy as np
 from grader_harness import mistakes_fail, reference_passes, same_verdict_every_run, stubs_are_todo
 
+from minioffload import adam
 from minioffload.course import check
-from minioffload.course.check import lab03
+from minioffload.course.check import lab03, lab03_kernel
 
 # ---------------------------------------------------------------------------------------------
 # reference answers
@@ -35,7 +38,34 @@ def to_bf16_bits(bits):
 
 BYTES = {"adam_fused": 28, "adam_mixed": 28, "three_pass": 40, "adam_inplace": 120}
 
-REFERENCE = {"3.1": step_constants, "3.2": adam_element, "3.3": to_bf16_bits, "3.4": BYTES.__getitem__}
+
+def _kernel(loop, decoupled=True, bias_correction=True):
+    """A learner's Task 3.5 kernel, compiled with parallel=True, looping with `loop` (prange or range)."""
+    def body(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+        c1 = 1 - beta1**step if bias_correction else 1.0
+        c2 = math.sqrt(1 - beta2**step) if bias_correction else 1.0
+        for i in loop(param.size):
+            g = grad[i] + (0.0 if decoupled else weight_decay * param[i])
+            m = exp_avg[i] + (1 - beta1) * (g - exp_avg[i])
+            v = exp_avg_sq[i] * beta2 + (1 - beta2) * g * g
+            exp_avg[i] = m
+            exp_avg_sq[i] = v
+            p = param[i] * (1 - lr * weight_decay) if decoupled else param[i]
+            param[i] = p - lr / c1 * m / (math.sqrt(v) / c2 + eps)
+    return numba.njit(parallel=True)(body)
+
+
+adamw_fused = _kernel(numba.prange)
+
+
+def numpy_passes(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+    """Right, but one NumPy pass per operation (the runtime's in-place version)."""
+    adam.adam_inplace(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                      weight_decay=weight_decay)
+
+
+REFERENCE = {"3.1": step_constants, "3.2": adam_element, "3.3": to_bf16_bits, "3.4": BYTES.__getitem__,
+             "3.5": adamw_fused}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,13 +160,19 @@ WRONG = [  # (task, function, a phrase the verdict must contain)
     ("3.4", {**BYTES, "adam_mixed": 32}.__getitem__, "write fp32 master 4 + exp_avg 4 + exp_avg_sq 4 + bf16 weights 2"),
     ("3.4", {**BYTES, "three_pass": 28}.__getitem__, "upcast: read bf16 grad 2, write fp32 grad 4"),
     ("3.4", {**BYTES, "adam_inplace": 124}.__getitem__, "scratch = multiply(grad, grad): read grad 4, write scratch 4"),
+    ("3.5", numpy_passes, "too slow"),
+    ("3.5", _kernel(range), "the loop uses `range`"),
+    ("3.5", numba.njit(_kernel(numba.prange).py_func), "compiled without parallel=True"),
+    ("3.5", _kernel(numba.prange, decoupled=False), "applied weight decay the Adam way"),
+    ("3.5", _kernel(numba.prange, bias_correction=False), "left out the bias corrections"),
+    ("3.5", lambda *args: adamw_fused(*args) or args[0].copy(), "return None"),
 ]
 
 
 test_reference_passes = reference_passes(REFERENCE)
 test_plausible_mistake_fails_with_a_reason = mistakes_fail(WRONG)
 test_stub_is_todo = stubs_are_todo(REFERENCE)
-test_verdicts_are_the_same_on_every_run = same_verdict_every_run(REFERENCE, REFERENCE)
+test_verdicts_are_the_same_on_every_run = same_verdict_every_run(REFERENCE, ("3.1", "3.2", "3.3", "3.4"))  # 3.5 times
 
 
 def test_any_nan_pattern_is_accepted_for_a_nan():
@@ -174,3 +210,18 @@ def test_torch_constants_are_the_bias_corrections():
         step_size, bc2_sqrt = lab03.torch_constants(step, lr, beta1, beta2)
         assert math.isclose(step_size, lr / (1 - beta1**step), rel_tol=1e-14)
         assert math.isclose(bc2_sqrt, math.sqrt(1 - beta2**step), rel_tol=1e-14)
+
+
+def test_the_kernels_fail_line_names_its_fraction_of_the_roofline():
+    verdict = check.grade("3.5", numpy_passes)
+    assert re.search(r"too slow: \d\.\d\d of the roofline", verdict.detail), str(verdict)
+    assert f"below {lab03_kernel.MIN_ROOFLINE_FRACTION}" in verdict.detail
+
+
+def test_a_kernel_that_skips_an_element_fails_on_agreement_before_any_timing():
+    @numba.njit(parallel=True)
+    def skips_the_last(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+        adamw_fused(param[:-1], grad[:-1], exp_avg[:-1], exp_avg_sq[:-1], step, lr, beta1, beta2, eps, weight_decay)
+
+    verdict = check.grade("3.5", skips_the_last)
+    assert verdict.status == "FAIL" and "element 1000 of 1001" in verdict.detail, str(verdict)

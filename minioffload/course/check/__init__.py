@@ -18,6 +18,7 @@ from . import (  # noqa: F401
     lab02,
     lab02_pool,
     lab03,
+    lab03_kernel,
     lab04,
     lab04_clip,
     lab05,

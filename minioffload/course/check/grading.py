@@ -58,9 +58,31 @@ def _is_learners(filename: str) -> bool:
     return not any(path.is_relative_to(folder) for folder in _NOT_LEARNERS)
 
 
+def _notebook_cells() -> dict[str, int]:
+    """{file name of a cell's compiled code: its execution count} in a Jupyter kernel, else {}.
+
+    IPython compiles each cell into a file of its own under a temporary folder (/tmp/ipykernel_<pid>/<hash>.py);
+    a learner knows the cell as In[n], which is how IPython's own tracebacks name it."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return {}
+    shell = get_ipython()
+    return dict(getattr(getattr(shell, "compile", None), "_filename_map", None) or {})
+
+
+def _named_as_cells(frames: list[traceback.FrameSummary]) -> list[traceback.FrameSummary]:
+    """The frames with a notebook cell's temporary file name replaced by 'Cell In[n]' (line numbers are the cell's)."""
+    cells = _notebook_cells()
+    return [traceback.FrameSummary(f"Cell In[{cells[f.filename]}]", f.lineno, f.name, lookup_line=False,
+                                   line=f.line, end_lineno=f.end_lineno, colno=f.colno, end_colno=f.end_colno)
+            if f.filename in cells else f for f in frames]
+
+
 def learner_traceback(err: BaseException) -> str:
-    """The traceback of `err` cut to the learner's frames (the innermost MAX_FRAMES), then the exception."""
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if _is_learners(f.filename)]
+    """The traceback of `err` cut to the learner's frames (the innermost MAX_FRAMES), then the exception. In a
+    notebook a cell's frames are named as IPython names them, 'Cell In[n]', with the cell's line numbers."""
+    frames = _named_as_cells([f for f in traceback.extract_tb(err.__traceback__) if _is_learners(f.filename)])
     shown = traceback.StackSummary.from_list(frames[-MAX_FRAMES:]).format()
     skipped = [f"  ... {len(frames) - MAX_FRAMES} earlier frame(s) of yours\n"] if len(frames) > MAX_FRAMES else []
     head = "Traceback (your code only, most recent call last):\n" if frames else ""

@@ -3,7 +3,14 @@
 import math
 
 import pytest
-from grader_harness import assert_fails, mistakes_fail, reference_passes, same_verdict_every_run, stubs_are_todo
+from grader_harness import (
+    assert_fails,
+    assert_passes,
+    mistakes_fail,
+    reference_passes,
+    same_verdict_every_run,
+    stubs_are_todo,
+)
 
 from minioffload import hybrid
 from minioffload.course.check import lab05
@@ -79,6 +86,39 @@ def streamed_with(**mistake):
     return fn
 
 
+def update_streamed_host_waits(dev, subgroups, scratch, streams, update):
+    """Another right answer: an event after each copy in, the adam stream waiting for all three, and the host (not
+    the state_in stream) waiting before it reuses a scratch set. Still overlapped: subgroup k + 1 is issued while
+    subgroup k is still on the device."""
+    free = {}
+    for k, host in enumerate(subgroups):
+        s, numel = k % 2, host["master"].numel()
+        if s in free:
+            free.pop(s).synchronize()  # the host waits: set s's previous subgroup has gone home
+        buffers = {name: scratch[s][name].narrow(0, 0, numel) for name in reversed(STATE)}
+        for name, view in buffers.items():
+            dev.copy(view, host[name], streams["state_in"])
+            arrived = dev.event()
+            arrived.record(streams["state_in"])
+            streams["adam"].wait(arrived)
+        dev.launch(streams["adam"], update, k, buffers, duration=numel / dev.adam_rate)
+        updated = dev.event()
+        updated.record(streams["adam"])
+        streams["state_out"].wait(updated)
+        for name, view in buffers.items():
+            dev.copy(host[name], view, streams["state_out"])
+        free[s] = dev.event()
+        free[s].record(streams["state_out"])
+
+
+def fresh_scratch_per_subgroup(dev, subgroups, scratch, streams, update):
+    """Right numbers and overlapped, but each subgroup gets new device memory: the device would hold every
+    subgroup's state at once, which the two scratch sets exist to avoid."""
+    own = [{name: dev.empty(host["master"].numel(), name=f"mine {k} {name}") for name in STATE}
+           for k, host in enumerate(subgroups)]
+    update_streamed(dev, subgroups, own, streams, update, sets=len(subgroups))
+
+
 def update_on_the_host(dev, subgroups, scratch, streams, update):
     for k, host in enumerate(subgroups):
         update(k, host)
@@ -126,6 +166,7 @@ WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("5.3", streamed_with(duration=False), "duration=numel / dev.adam_rate"),
     ("5.3", update_on_the_host, "the host thread"),
     ("5.3", unsliced_scratch, "[:numel]"),
+    ("5.3", fresh_scratch_per_subgroup, "allocated device memory"),
     ("5.4", lambda cpu_rate, bandwidth=GEN5: round(1 / best_split_fraction(cpu_rate, bandwidth)), "closest share"),
     ("5.4", lambda cpu_rate, bandwidth=GEN5: math.floor(1 / best_split_fraction(cpu_rate, bandwidth)),
      "closest share"),
@@ -150,6 +191,12 @@ def test_a_missing_wait_fails_and_the_trace_names_it(mistake, reason):
     """Not by luck: a scenario makes each missing wait corrupt the state whatever the jitter (checked in loops)."""
     verdict = assert_fails("5.3", streamed_with(**mistake), reason)
     assert verdict.detail.startswith("trial "), str(verdict)
+
+
+def test_another_order_of_calls_and_waits_passes():
+    """The lab states what must hold, not a sequence of calls: a different schedule that keeps the three orderings
+    and overlaps passes."""
+    assert_passes("5.3", update_streamed_host_waits)
 
 
 def test_the_searched_fraction_and_strides_are_the_models():

@@ -3,14 +3,17 @@
 import errno
 import json
 import os
+import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import torch
 from grader_harness import assert_passes, mistakes_fail, reference_passes, same_verdict_every_run, stubs_are_todo
 
 from minioffload import memory
 from minioffload.course import check
-from minioffload.course.check import lab06, lab06_commit
+from minioffload.course.check import lab06, lab06_commit, lab06_pipeline
 from minioffload.pinned import ALIGNMENT, aligned_empty
 
 
@@ -174,6 +177,8 @@ def serial(n, read, update, write, buffers):
 
 
 def waits_for_each_write(n, read, update, write, buffers):
+    """Right on one drive: read(k + 1) is queued before update(k), and a write waited for at once costs no time,
+    since the drive's one queue would run it before the next read anyway."""
     reading = read(0, buffers[0]) if n else None
     for k in range(n):
         done = reading
@@ -215,6 +220,23 @@ def round_robin_without_waiting(n, read, update, write, buffers):
         writes.append(write(k, buffers[k % len(buffers)]))
     for future in writes:
         future.result()
+
+
+def reads_after_update(n, read, update, write, buffers):
+    """Overlaps only the writes: the next read starts after the update, so the drive idles while the CPU works. On
+    a drive with separate read and write queues this takes about n x (read + update); on one queue, the serial
+    time."""
+    writes = [None] * len(buffers)
+    for k in range(n):
+        b = k % len(buffers)
+        if writes[b] is not None:
+            writes[b].result()
+        read(k, buffers[b]).result()
+        update(k, buffers[b])
+        writes[b] = write(k, buffers[b])
+    for future in writes:
+        if future is not None:
+            future.result()
 
 
 def no_wait_for_reads(n, read, update, write, buffers):
@@ -274,7 +296,8 @@ WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("6.2", commit_with(mutate=True), "the index dict you were given changed"),
     ("6.2", commit_with(keep_others=False), "copies every other entry"),
     ("6.3", serial, "read(k + 1) only started after update(k)"),
-    ("6.3", waits_for_each_write, "do not wait for write(k) at once"),
+    ("6.3", reads_after_update, "no pipeline beats n x (read + write)"),
+    ("6.3", reads_after_update, "read(k + 1) only started after update(k)"),
     ("6.3", waits_for_the_next_read, "wait for read(k) alone"),
     ("6.3", round_robin_without_waiting, "while write("),
     ("6.3", no_wait_for_reads, "before read(0) had finished"),
@@ -296,6 +319,28 @@ test_verdicts_hold_no_timings = same_verdict_every_run(REFERENCE, REFERENCE)
 
 def test_another_pipeline_passes():
     assert_passes("6.3", pipelined_free_list)
+
+
+def test_on_one_queue_waiting_for_each_write_costs_nothing():
+    assert_passes("6.3", waits_for_each_write)
+
+
+def test_the_fake_drive_has_one_queue_for_reads_and_writes():
+    """A read and a write issued together finish one after the other: the drive's time is their sum."""
+    name, n, read_s, update_s, write_s = lab06_pipeline.BALANCED
+    buffers = [aligned_empty(lab06_pipeline.BUFFER_FLOATS * 4, pin=False).view(torch.float32) for _ in range(2)]
+    with ThreadPoolExecutor(lab06_pipeline.DRIVE_WORKERS) as pool:
+        drive = lab06_pipeline._FakeDrive(pool, buffers, 2, (read_s, 0.0, write_s))
+        drive.read(0, buffers[0]).result()
+        drive.update(0, buffers[0])
+        started = time.perf_counter()
+        writing, reading = drive.write(0, buffers[0]), drive.read(1, buffers[1])
+        writing.result()
+        reading.result()
+        elapsed = time.perf_counter() - started
+    assert elapsed >= read_s + write_s, f"a read and a write took {elapsed:.3f} s together, less than their sum"
+    bounds = lab06_pipeline.time_bounds(n, read_s, update_s, write_s)
+    assert bounds["drive"] < bounds["bound"] < bounds["serial"]
 
 
 def test_without_o_direct_the_calls_are_still_checked(monkeypatch):

@@ -1,12 +1,14 @@
 """Graders for Lab 4, "Offloading the optimizer", Tasks 4.1 and 4.2: the gradient hook and the
 update-and-upload loop (4.3 and 4.4 are graded in lab04_clip.py).
 
-Tasks 4.1 and 4.2 run the learner's code on the simulated device with jitter and a slow link, so
-that a copy is still in flight when the grader looks: an event that does not follow its copy shows
-up as a wrong value. The grader also wraps the methods of its own device object (copy, adopt,
-event, ...) and logs each call, so that a failure can say which rule was broken (a copy on the
-wrong stream, an upload enqueued before its subgroup was updated) and so that a rule the simulator
-cannot turn into a wrong value (waiting for compute) is still checked. Verdicts carry counts and
+The lab states each task as properties that must hold, not as calls to make, and these graders check
+the properties, so that any order of calls that satisfies them passes. Tasks 4.1 and 4.2 run the
+learner's code on the simulated device with jitter and a slow link, so that a copy is still in flight
+when the grader looks: an event that does not follow its copy shows up as a wrong value. The grader
+also wraps the methods of its own device object (copy, event, ...) and logs each call with the state
+it saw (was the gradient device memory, which subgroups were updated), so that a failure names the
+property that did not hold, and so that an ordering the simulator cannot turn into a wrong value (a
+copy ordered after the compute that wrote its source) is still checked. Verdicts carry counts and
 sizes, never timings, so they are the same on every run.
 """
 
@@ -47,9 +49,9 @@ class _Spy:
 
         def copy(dst, src, stream=None, name=None):
             if isinstance(src, torch.Tensor) and not dev.is_device(src) and not dev.is_device(dst):
-                raise AssertionError("dev.copy was given a gradient that is not device memory yet: call "
-                                     "dev.adopt(grad, 'grad') before copying it (on the sim, autograd's "
-                                     "gradients are ordinary CPU tensors until adopted)")
+                raise AssertionError("a gradient was copied while the device did not count it as its memory: "
+                                     "while its copy is queued, a gradient must count in dev.ledger (on the sim, "
+                                     "autograd's gradients are ordinary CPU tensors until dev.adopt counts them)")
             self.log.append(("copy", _storage(dst), dst.data_ptr(), src.data_ptr(), stream))
             real["copy"](dst, src, stream, name)
 
@@ -101,7 +103,7 @@ def _hook_model() -> nn.Module:
 
 
 def _hook_problems(log: list, stream, staging_ptrs: dict[int, int], names: dict[int, str]) -> list[str]:
-    """What each hook call did wrong, read from the device-call log (first problems first)."""
+    """Which property each hook call broke, read from the device-call log (first problems first)."""
     problems = []
     segments, current = [], None
     for entry in log:
@@ -112,38 +114,39 @@ def _hook_problems(log: list, stream, staging_ptrs: dict[int, int], names: dict[
             current = None
         elif current is not None:
             current[2].append(entry)
-    for index, grad_ptr, calls in segments:
+    for index, _grad_ptr, calls in segments:
         who = f"the hook for {names[index]}"
         copies = [i for i, c in enumerate(calls) if c[0] == "copy"]
         if len(copies) != 1:
-            problems.append(f"{who} made {len(copies)} dev.copy calls; expected one (gradient -> staging[param])")
+            problems.append(f"{who} made {len(copies)} copies; each gradient goes to the host once, into "
+                            "staging[param] (dev.copy(dst, src, stream))")
             continue
         at = copies[0]
         _, dst_storage, dst_ptr, src_ptr, copy_stream = calls[at]
         if dst_ptr != staging_ptrs[index]:
-            problems.append(f"{who} copied into something other than staging[param]")
+            problems.append(f"{who} copied into something other than staging[param], where the step reads it")
         if copy_stream is not stream:
             where = "the default stream" if copy_stream is None else f"stream {_stream_name(copy_stream)}"
             problems.append(f"{who} put its copy on {where}, not on the stream you were given "
-                            f"({_stream_name(stream)}): pass it as dev.copy(dst, src, stream)")
-        if not any(c[0] == "adopt" and c[1] == grad_ptr for c in calls[:at]):
-            problems.append(f"{who} did not dev.adopt(grad, 'grad') before copying it: the device ledger never "
-                            "counted the gradient")
+                            f"({_stream_name(stream)}): the copies must run there, beside backward's compute, and "
+                            "the step's events are about that stream")
         if not any(c[0] == "wait compute" and c[1] is stream for c in calls[:at]):
-            problems.append(f"{who} copied without dev.stream_waits_for_compute(stream) first: on a GPU the copy "
-                            "stream could read the gradient before backward has finished writing it (the sim "
-                            "cannot show this as a wrong value, so the grader checks the call)")
+            problems.append(f"{who}: the copy was not ordered after the compute that wrote the gradient, so on a GPU "
+                            "the copy stream could read it before backward has finished writing it "
+                            "(dev.stream_waits_for_compute(stream) orders a stream after the compute issued so far; "
+                            "the sim cannot show this as a wrong value, so the check looks for that ordering)")
         records = [(n, c) for n, c in enumerate(calls) if c[0] == "record"]
         if not records:
-            problems.append(f"{who} recorded no event: record one on the stream after the copy")
+            problems.append(f"{who} marked no point after its copy: the step waits on the pending event before it "
+                            "reads staging[param], so the event must be recorded on the copy's stream after the copy")
         elif not any(c[2] is stream for n, c in records if n > at):
             before = any(n < at for n, _ in records)
             problems.append(f"{who} recorded its event " + ("before the copy, so it marks a point before the copy "
                             "and fires first" if before else "on another stream, so it fires without waiting "
-                            "for the copy") + ": call event.record(stream) after dev.copy")
+                            "for the copy") + ": the event must mark a point after the copy, on its stream")
         if any(c[0] == "sync" for c in calls):
-            problems.append(f"{who} waited for its copy (a synchronize inside the hook): backward would stall on "
-                            "every gradient; record the event, append it to pending, and return")
+            problems.append(f"{who} blocked the host until its copy was done (a synchronize inside the hook): "
+                            "backward would stall at every gradient; the hook must return with the copy queued")
     return problems
 
 
@@ -182,20 +185,23 @@ def _hook_trial(fn: Callable, seed: int) -> tuple[int, int]:
         problems = _hook_problems(spy.log, stream, staging_ptrs, names)
         still = [names[i] for i, p in enumerate(params) if p.grad is not None]
         assert not still, (f"after backward, {len(still)} of {len(params)} parameters still hold .grad (first: "
-                           f"{still[0]}): set param.grad = None once the copy is enqueued, so the device memory can "
-                           "go (the queued copy holds its own reference until it is done)")
+                           f"{still[0]}): once its copy is queued, a parameter must let go of its gradient "
+                           "(param.grad = None), so the device memory can go; the queued copy holds its own reference "
+                           "until it is done")
         assert isinstance(pending, list) and len(pending) == len(params), (
             f"pending holds {len(pending) if isinstance(pending, list) else type(pending).__name__} items after a "
-            f"backward over {len(params)} parameters; append one (param, event) per gradient")
+            f"backward over {len(params)} parameters; it must hold one (param, event) per gradient")
         for n, item in enumerate(pending):
             ok = isinstance(item, tuple) and len(item) == 2 and id(item[0]) in index_of
             assert ok, f"pending[{n}] is {item!r:.60}; expected a tuple (param, event)"
             assert id(item[1]) in spy.events, (
-                f"pending[{n}] holds {type(item[1]).__name__} where the event should be: create it with "
-                "dev.event(), record it on the stream after the copy, and append (param, event)")
-            assert spy.recorded_on(item[1]), f"pending[{n}]'s event was never recorded: call event.record(stream)"
+                f"pending[{n}] holds {type(item[1]).__name__} where the event should be: an event of the device "
+                "(dev.event()) that marks a point after the copy on its stream")
+            assert spy.recorded_on(item[1]), (f"pending[{n}]'s event was never recorded, so it marks no point after "
+                                              "the copy: record it on the copy's stream")
         assert len({id(p) for p, _ in pending}) == len(params) and len({id(e) for _, e in pending}) == len(params), (
-            "pending should hold each parameter once, each with its own event (one event per copy)")
+            "pending must hold each parameter once, each with its own event (one event per copy), so that the "
+            "step can read each staging buffer as soon as its own copy has landed")
         for param, event in pending:  # what a step does: wait for one copy, then read its staging buffer
             event.synchronize()
             i = index_of[id(param)]
@@ -214,8 +220,8 @@ def _hook_trial(fn: Callable, seed: int) -> tuple[int, int]:
         left = dev.ledger.used("device") - param_bytes
         assert left == 0, (
             f"once every copy was done and .grad dropped, device memory held {format_bytes(left)} more than the "
-            f"{format_bytes(param_bytes)} of parameters: something still references a gradient (keep none "
-            "yourself: the queued copy keeps its source alive until it has run)")
+            f"{format_bytes(param_bytes)} of parameters: something still references a gradient, so the device cannot "
+            "free it (keep none yourself: the queued copy keeps its source alive until it has run)")
     return len(params), param_bytes
 
 
@@ -297,42 +303,47 @@ def _update_run(fn: Callable, layout: list[list[int]], lr: float, weight_decay: 
             opt.step()
             what = f"step {step} ({len(layout)} subgroup{'s' * (len(layout) > 1)})"
 
-            assert event is not None, (f"{what}: update_and_upload returned None; record an event on h2d after the "
-                                       "last upload and return it, so the next forward can wait for the weights")
-            assert id(event) in spy.events, (f"{what}: returned {type(event).__name__}; expected the event made "
-                                             "with dev.event() and recorded on h2d after the last upload")
+            assert event is not None, (f"{what}: update_and_upload returned None; it must return an event that "
+                                       "fires once every upload has landed, so the next forward can wait for it")
+            assert id(event) in spy.events, (f"{what}: returned {type(event).__name__}; expected an event of the "
+                                             "device (dev.event()) that fires once every upload has landed")
             assert len(uploads) == len(params), (f"{what}: {len(uploads)} uploads (dev.copy calls) for "
-                                                 f"{len(params)} parameters; expected one per parameter")
+                                                 f"{len(params)} parameters; each parameter goes up once per step")
             for i, stream, updated in uploads:
-                assert i is not None, f"{what}: an upload's destination is not a parameter: copy into param.data"
+                assert i is not None, (f"{what}: an upload's destination is not a parameter: the new weights go into "
+                                       "param.data")
                 assert stream is h2d, (f"{what}: the upload of parameter {i} went on "
                                        f"{'the default stream' if stream is None else _stream_name(stream)}, "
-                                       "not on h2d")
+                                       "not on h2d, the copy stream the step uploads on")
                 k = where[i][0]
                 assert updated[k], (
                     f"{what}: the upload of parameter {i} (subgroup {k}) was enqueued before subgroup {k}'s "
-                    "adam_fused ran, so it sends the old weights: update a subgroup first, then upload it")
+                    "update had run, so it sends the old weights: a parameter goes up only after its own "
+                    "subgroup's update")
             assert sorted(i for i, _, _ in uploads) == list(range(len(params))), (
-                f"{what}: some parameters were uploaded twice and others never; upload each parameter once")
+                f"{what}: some parameters were uploaded twice and others never; each parameter goes up once")
             assert done_at_return < len(uploads), (
                 f"{what}: all {len(uploads)} uploads had finished when your function returned: it waited for "
-                "them (a synchronize in the loop?), so the CPU sat idle while the link worked; let the caller "
-                "wait on the event instead")
+                "them (a synchronize in the loop?), so the CPU sat idle while the link worked; the uploads must "
+                "still be queued on return, and the caller waits on the event instead")
             streams = spy.recorded_on(event)
-            assert streams, f"{what}: the event you returned was never recorded: call event.record(h2d)"
+            assert streams, (f"{what}: the event you returned was never recorded, so it marks no point after the "
+                             "uploads")
             dev.compute_waits_for(event)
             done = len(dev.trace.on("h2d")) - spans_before
             assert done == len(params), (
                 f"{what}: after waiting on the event you returned, {done} of {len(params)} uploads had finished: "
-                f"record it on h2d after the last dev.copy (it was recorded on {_stream_name(streams[-1])})")
+                f"the event must mark a point after the last upload on h2d (it was recorded on "
+                f"{_stream_name(streams[-1])})")
             for i, (p, ref) in enumerate(zip(params, reference, strict=True)):
                 k, _ = where[i]
                 if not torch.allclose(p.detach(), ref.detach(), rtol=1e-5, atol=1e-6):
                     error = float((p.detach() - ref.detach()).abs().max())
                     raise AssertionError(
                         f"{what}: parameter {i} {tuple(p.shape)} on the device differs from torch AdamW (max error "
-                        f"{error:.3g}): upload master[offset:offset + numel].view(param.shape) with the offset "
-                        f"that came with it, after calling adam.adam_fused(..., step={step}, lr, weight_decay)")
+                        f"{error:.3g}): a parameter's new weights are master[offset:offset + numel] of its "
+                        f"subgroup, with the offset that came with it, in its shape, after AdamW's step {step} with "
+                        "the lr and weight_decay given")
             for k, sub in enumerate(subgroups):
                 for p, offset in sub["params"]:
                     i = param_of_storage[_storage(p)]
@@ -342,8 +353,9 @@ def _update_run(fn: Callable, layout: list[list[int]], lr: float, weight_decay: 
                     for name in STATE:
                         got = sub[name][offset: offset + p.numel()].view(p.shape)
                         assert torch.allclose(got, wants[name], rtol=1e-5, atol=1e-7), (
-                            f"{what}: subgroup {k}'s {name!r} for parameter {i} differs from torch AdamW's: "
-                            "call adam.adam_fused once per subgroup on its four flat buffers")
+                            f"{what}: subgroup {k}'s {name!r} for parameter {i} differs from torch AdamW's: each "
+                            "subgroup's flat buffers must be updated once per step, as AdamW updates them "
+                            "(adam.adam_fused does that in place)")
             first = uploads[0][2]
             remaining_at_first_upload.append(len(first) - sum(first))
     return remaining_at_first_upload
@@ -358,8 +370,8 @@ def update_and_upload(fn: Callable) -> str:
         if len(layout) > 1:
             assert min(counts) > 0, (
                 f"weights and state match torch, but every upload was enqueued after all {len(layout)} subgroups "
-                "were updated: upload each subgroup right after its own update, so the link carries subgroup k "
-                "while the CPU updates subgroup k + 1")
+                "were updated, so the link idled while the CPU worked: a subgroup's weights must already be on "
+                "their way while the CPU updates later subgroups")
             remaining.append(min(counts))
     many = LAYOUTS[0][0]
     return (f"{len(LAYOUTS)} runs x {UPDATE_STEPS} steps ({len(many)} subgroups and 1): device weights, masters and "

@@ -1,9 +1,15 @@
 """Grader for Lab 6, Task 6.3: the three-stage read-update-write pipeline against a fake drive (see lab06.py).
 
-Task 6.3 runs the learner's pipeline against a fake drive on a thread pool whose stages sleep. Every call and
-every future's completion moves a buffer through free -> reading -> read -> updated -> writing -> free, and a call
-out of turn fails at once with the rule it breaks. A slow read and a slow write make a missing wait collide with
-a future still in flight whatever the scheduling; a balanced run then checks that the stages overlap.
+Task 6.3 runs the learner's pipeline against a fake drive whose reads and writes sleep. Like one real drive (chapter 6
+measures it), the fake drive has one queue: its reads and writes run one after another on a single worker, so they
+share one budget of device time, and a pipeline's update phase takes about n x (read + write), not n x the slowest
+stage. Every call and every future's completion moves a buffer through free -> reading -> read -> updated ->
+writing -> free, and a call out of turn fails at once with the rule it breaks. A slow read and a slow write make a
+missing wait collide with a future still in flight whatever the scheduling; a balanced run then checks the time
+bound: the update hidden behind the drive's work, the drive's n x (read + write) the floor.
+
+What this is not: a model of a drive's internal parallelism (several requests in flight share its bandwidth; one
+queue is the simplest model with that sum).
 """
 
 from __future__ import annotations
@@ -33,8 +39,18 @@ PIPELINE_SCENARIOS = (
     ("a slow write", 8, 0.005, 0.005, 0.080),
 )
 BALANCED = ("three stages of 20 ms", 12, 0.020, 0.020, 0.020)
-SERIAL_SHARE = 0.75  # the balanced run must take less than this share of n * (read + update + write)
+HIDDEN_SHARE = 0.5  # of the n updates' time, at least this share must hide behind the drive's work
 ATTEMPTS = 3  # the best of: a loaded machine can slow one run
+DRIVE_WORKERS = 1  # one queue: a read and a write never run at once
+
+
+def time_bounds(n: int, read_s: float, update_s: float, write_s: float) -> dict[str, float]:
+    """Seconds of the balanced run: one subgroup after another (serial), the drive's own work through its one queue
+    (the floor of any pipeline: n x (read + write)), and the bound the check asks for (the floor plus the share of
+    the updates' time a pipeline may leave unhidden)."""
+    drive = n * (read_s + write_s)
+    return {"serial": n * (read_s + update_s + write_s), "drive": drive,
+            "bound": drive + (1 - HIDDEN_SHARE) * n * update_s}
 
 
 class _Violation(AssertionError):
@@ -42,7 +58,9 @@ class _Violation(AssertionError):
 
 
 class _FakeDrive:
-    """read/update/write for the learner, on a thread pool, tracking each buffer's state under one lock."""
+    """read/update/write for the learner; reads and writes go through `pool`, the drive's one queue (a single
+    worker, so they run one at a time, in the order they were issued). Each buffer's state is tracked under one
+    lock."""
 
     def __init__(self, pool: ThreadPoolExecutor, buffers: list, n: int, stages: tuple[float, float, float]):
         self.pool, self.buffers, self.n = pool, buffers, n
@@ -142,7 +160,7 @@ def _pipeline_run(fn: Callable, scenario: tuple) -> tuple[float, _FakeDrive]:
     name, n, *stages = scenario
     buffers = [aligned_empty(BUFFER_FLOATS * 4, pin=False).view(torch.float32)
                for _ in range(BUFFERS)]
-    with ThreadPoolExecutor(4, thread_name_prefix="fake-drive") as pool:
+    with ThreadPoolExecutor(DRIVE_WORKERS, thread_name_prefix="fake-drive") as pool:  # the drive's one queue
         drive = _FakeDrive(pool, buffers, n, tuple(stages))
         started = time.perf_counter()
         try:
@@ -163,54 +181,53 @@ def _pipeline_run(fn: Callable, scenario: tuple) -> tuple[float, _FakeDrive]:
 
 
 def _overlap_problem(drive: _FakeDrive, n: int) -> str | None:
-    """From the log of the balanced run: whether update(k) ran while read(k + 1) and write(k - 1) were in flight,
-    for most k (the calls' order is the learner's; a 20 ms stage leaves ample slack for the scheduler)."""
+    """From the log of the balanced run, why the drive sat idle while the CPU updated: for most k, read(k + 1)
+    should be issued before update(k) and still be queued or running when update(k) starts (the calls' order is
+    the learner's; a 20 ms stage leaves ample slack for the scheduler). None if the reads ran ahead."""
     at = {}
     for when, what, k in drive.log:
         at.setdefault((what, k), when)
 
-    def during_update(stage: str, j: int, k: int) -> bool:
-        return at[(stage, j)] < at[("update done", k)] and at[(f"{stage} done", j)] > at[("update", k)]
+    def during_update(j: int, k: int) -> bool:
+        return at[("read", j)] < at[("update done", k)] and at[("read done", j)] > at[("update", k)]
 
     middle = range(1, n - 1)
-    reads = sum(during_update("read", k + 1, k) for k in middle)
-    writes = sum(during_update("write", k - 1, k) for k in middle)
-    if reads < len(middle) / 2:
-        if all(at[("read", k + 1)] > at[("update", k)] for k in middle):
-            return "read(k + 1) only started after update(k): start the next read before updating this subgroup"
-        return ("read(k + 1) had finished before update(k) started: wait for read(k) alone, then update, while "
-                "read(k + 1) goes on")
-    if writes < len(middle) / 2:
-        return ("each write had finished before the next update started: do not wait for write(k) at once; wait "
-                "for it only when you need its buffer again")
-    return None
+    if sum(during_update(k + 1, k) for k in middle) >= len(middle) / 2:
+        return None
+    if all(at[("read", k + 1)] > at[("update", k)] for k in middle):
+        return ("read(k + 1) only started after update(k), so the drive sat idle while the CPU updated: start the "
+                "next read before updating this subgroup")
+    return ("read(k + 1) had finished before update(k) started, so the drive sat idle while the CPU updated: wait "
+            "for read(k) alone, then update, while read(k + 1) goes on")
 
 
 @grader("6.3")
 def pipelined_update(fn: Callable) -> str:
-    """fn(n, read, update, write, buffers): each subgroup read, updated and written, the three stages overlapped."""
+    """fn(n, read, update, write, buffers): each subgroup read, updated and written, the update hidden behind the
+    drive, whose reads and writes share one queue."""
     for scenario in PIPELINE_SCENARIOS:
         _pipeline_run(fn, scenario)
     name, n, read_s, update_s, write_s = BALANCED
-    serial = n * (read_s + update_s + write_s)
-    best = None
+    bounds = time_bounds(n, read_s, update_s, write_s)
+    serial, bound = bounds["serial"], bounds["bound"]
+    best, problem = None, None
     for _ in range(ATTEMPTS):
         elapsed, drive = _pipeline_run(fn, BALANCED)
-        problem = _overlap_problem(drive, n)
-        assert problem is None, (f"{name}: the stages did not overlap; a subgroup should be updated while the next "
-                                 f"one is read and the previous one written: {problem}")
-        best = elapsed if best is None else min(best, elapsed)
-        if best < SERIAL_SHARE * serial:
+        if best is None or elapsed < best:
+            best, problem = elapsed, _overlap_problem(drive, n)
+        if best < bound:
             break
-    assert best < SERIAL_SHARE * serial, (
-        f"{name}: {n} subgroups took {best / serial:.0%} of the serial time n x (read + update + write) at best of "
-        f"{ATTEMPTS} runs, though the stages overlapped; a pipeline of independent stages (this fake drive reads "
-        f"and writes at once; one real drive does not) takes about n x the slowest stage, "
-        f"{(n + 2) / (3 * n):.0%} here (the check asks for under {SERIAL_SHARE:.0%}): wait on futures "
-        "(.result()), do not poll them in a loop, and do no other slow work between the calls")
+    if best >= bound:
+        why = problem or ("the reads ran ahead of the updates, so the time went elsewhere: wait on futures "
+                          "(.result()), do not poll them in a loop, and do no other slow work between the calls")
+        raise AssertionError(
+            f"{name}: {n} subgroups took {best / serial:.0%} of the serial time n x (read + update + write) at best of "
+            f"{ATTEMPTS} runs. This drive, like one real drive, has one queue for reads and writes, so no pipeline "
+            f"beats n x (read + write) = {bounds['drive'] / serial:.0%}; what a pipeline wins is the update's time, "
+            f"and the check asks for at least {HIDDEN_SHARE:.0%} of it (under {bound / serial:.0%}): {why}")
     scenarios = ", ".join(s[0] for s in PIPELINE_SCENARIOS[3:])
     return (f"{len(PIPELINE_SCENARIOS) + 1} runs through {BUFFERS} buffers (0-{n} subgroups; {scenarios}; "
             f"{name}): each subgroup read, updated and written once, in a buffer holding its data, no buffer reused "
-            f"before its write finished, every write done on return; with three equal stages, each update ran while "
-            f"the next read and the previous write were in flight, in under {SERIAL_SHARE:.0%} of the serial time")
-
+            f"before its write finished, every write done on return; with reads and writes sharing the drive's one "
+            f"queue, the update hidden behind them: under {bound / serial:.0%} of the serial time, the drive's "
+            f"n x (read + write) being {bounds['drive'] / serial:.0%}")

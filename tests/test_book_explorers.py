@@ -31,6 +31,7 @@ EXPLORERS = [
     ("chapters/01_memory_wall.html", "footprint"),
     ("chapters/02_moving_bytes.html", "timeline"),
     ("chapters/04_optimizer_offload.html", "timeline"),
+    ("chapters/08_streaming.html", "streaming"),
     ("chapters/09_planning.html", "plan"),
 ]
 

@@ -17,6 +17,7 @@ from minioffload.course.explore.chart import JAVASCRIPT_MIME, VEGALITE_MIME
 from minioffload.course.explore.footprint import GB_EXPR
 from minioffload.memory import OPTIMIZERS, PLACEMENTS, PRECISIONS, TIERS, footprint
 from minioffload.profiles import preset
+from minioffload.stepmodel import StepConfig, Workload, predict
 from minioffload.trace import Trace
 from minioffload.units import GB
 
@@ -148,6 +149,7 @@ def test_the_plan_chart_selects_a_grid_point_with_its_menus():
     assert params["size"]["bind"]["options"] == ["1.3B", "175B"] and params["size"]["value"] == "1.3B"
     assert params["hardware"]["value"] == "h100-sxm" and params["nvme_gb"]["value"] == 0
     assert chart.spec["transform"][0]["filter"].count("datum.") == 4
+    assert chart.spec["autosize"]["resize"]  # points differ in their number of plans: the text must not clip
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -163,9 +165,14 @@ def test_the_plan_chart_refuses_bad_arguments_and_says_why(kwargs, message):
         explore.plan_chart(**{"size": 1.3e9, "host_gb": 1024, "nvme_gb": 0, "grid": SMALL_GRID, **kwargs})
 
 
+def a_streamed_workload() -> Workload:
+    return Workload(7_000_000_000, 8 * 4096, num_tensors=291, num_layers=32, resident_params=10**8)
+
+
 def charts() -> list[explore.Chart]:
     return [explore.footprint_chart(), explore.timeline_chart(a_trace(), title="a </script> in a title"),
-            explore.plan_chart(size=1.3e9, host_gb=1024, nvme_gb=0, grid=SMALL_GRID)]
+            explore.plan_chart(size=1.3e9, host_gb=1024, nvme_gb=0, grid=SMALL_GRID),
+            explore.streaming_chart(a_streamed_workload(), preset("h100-sxm"))]
 
 
 @pytest.mark.parametrize("chart", charts(), ids=lambda c: c.name)
@@ -195,3 +202,45 @@ def test_a_chart_refuses_a_spec_that_is_not_json():
         explore.Chart("{}", "x")
     with pytest.raises(ValueError):
         explore.Chart({"data": {"values": [{"x": float("nan")}]}}, "x")
+
+
+def test_the_streaming_table_holds_the_step_models_predictions():
+    work, hw = a_streamed_workload(), preset("h100-sxm")
+    spans, steps = explore.streaming_table(work, hw, links_gbps=[5.0, 50.0])
+    assert len(steps) == 2 * 2 * 5  # links x homes x depths
+    slow = hw.replace(link_h2d=5 * GB, link_d2h=5 * GB)
+    pred = predict(work, slow, StepConfig(params_on="nvme", prefetch=2, mfu=1.0))
+    step = next(s for s in steps if (s["link"], s["home"], s["depth"]) == (0, "nvme", 2))
+    assert step["step_ms"] == pytest.approx(pred.step_s * 1e3) and step["exposed"] == pred.exposed_fetch_fraction
+    drawn = [s for s in spans if (s["link"], s["home"], s["depth"]) == (0, "nvme", 2)]
+    assert len(drawn) == sum(1 for s in pred.trace.spans if s.lane in explore.streaming.LANES) > 0
+    assert {s["lane"] for s in drawn} >= {"compute", "h2d", "nvme_read"}
+    # a faster link exposes no more of the fetches, at every depth
+    for home in ("host", "nvme"):
+        for depth in range(5):
+            slow_, fast = (next(s for s in steps if (s["link"], s["home"], s["depth"]) == (i, home, depth))
+                           for i in (0, 1))
+            assert fast["exposed"] <= slow_["exposed"] + 1e-12
+
+
+def test_the_streaming_chart_starts_at_the_machines_link_and_refuses_a_budget_in_words():
+    hw = preset("h100-sxm")
+    chart = explore.streaming_chart(a_streamed_workload(), hw, prefetch=2, budget_blocks=4, home="nvme")
+    params = {p["name"]: p for p in chart.spec["params"]}
+    labels = params["link"]["bind"]["labels"]
+    assert labels[params["link"]["value"]] == f"{round(hw.link_h2d / GB, 3):g}"
+    assert (params["depth"]["value"], params["budget"]["value"], params["home"]["value"]) == (2, 4, "nvme")
+    summary, bars = chart.spec["vconcat"]
+    assert "budget >= depth + 1" in bars["transform"][0]["filter"]
+    assert "refused" in summary["transform"][1]["calculate"]
+    assert f"at most ' + budget + ' x {(7e9 - 1e8) / 32 * 2 / 1e6:.3g} MB" in summary["transform"][1]["calculate"]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [({"prefetch": 5}, "prefetch must be 0-4"),
+                                                 ({"budget_blocks": 0}, "budget_blocks 1-6"),
+                                                 ({"home": "disk"}, "home must be one of")])
+def test_the_streaming_chart_refuses_bad_arguments_and_says_why(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        explore.streaming_chart(a_streamed_workload(), preset("h100-sxm"), **kwargs)
+    with pytest.raises(TypeError, match="stepmodel.Workload"):
+        explore.streaming_chart("gpt", preset("h100-sxm"))

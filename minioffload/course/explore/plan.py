@@ -187,6 +187,8 @@ def plan_chart(size: float = 70e9, hardware: str = "h100-sxm", host_gb: float = 
         "data": {"values": rows},
         "transform": [{"filter": point}],
         "vconcat": [memory, lines],
+        # a point with more plans has more lines of text: without resize the first point's height would clip them
+        "autosize": {"type": "pad", "resize": True},
         "config": {"view": {"stroke": None}},
     }
     return Chart(spec, "plan", f"{len(rows)} rows over a grid of {len(g['sizes'])} sizes x {len(g['hardware'])} "

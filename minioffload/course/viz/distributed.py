@@ -27,8 +27,8 @@ from matplotlib.ticker import EngFormatter
 
 from ...trace import LANE_ORDER, Trace
 from ...units import format_bytes
-from .style import fallback_color, lane_color
-from .timeline import _label_spans, _message_figure
+from .style import fallback_color
+from .timeline import _label_spans, _message_figure, lane_rows
 
 NET = "net"  # the lane of the collectives (sharding.py records reduces and broadcasts there)
 SUBGROUP_COLORS = ("#4C72B0", "#9DB4D8")  # a rank's subgroups alternate between them
@@ -100,18 +100,9 @@ def rank_timelines(traces: Sequence[Trace], step: int = -2, micro_batches: int =
     height = min(9.0, 0.9 + len(steps) * (0.45 + 0.3 * len(rows)))
     fig, axes = plt.subplots(len(steps), 1, figsize=(7.2, height), sharex=True, squeeze=False)
     for rank, (ax, trace) in enumerate(zip(axes[:, 0], steps, strict=True)):
-        for row, lane in enumerate(rows):
-            ax.broken_barh([(s.start * 1e3, s.duration * 1e3) for s in trace.on(lane)], (row - 0.38, 0.76),
-                           facecolors=lane_color(lane), edgecolors="white", linewidths=0.6)
+        lane_rows(ax, trace, rows)
         ax.set_xlim(0, end * 1.01)
         _label_spans(ax, trace, rows, 0, end * 1.01, axis_width_in=fig.get_figwidth() * 0.82)
-        ax.set_ylim(len(rows) - 0.5, -0.5)
-        ax.set_yticks(range(len(rows)), rows, fontsize=8)
-        ax.tick_params(axis="y", length=0)
-        ax.grid(axis="x", color="0.9", lw=0.8)
-        ax.set_axisbelow(True)
-        for side in ("top", "right", "left"):
-            ax.spines[side].set_visible(False)
         net = trace.on(NET)
         ax.set_title(f"rank {rank}", fontsize=9, loc="left")
         ax.set_title(f"step {trace.makespan() * 1e3:.3g} ms; {NET}: {len(net)} collectives, "

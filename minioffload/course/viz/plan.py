@@ -19,8 +19,8 @@ from matplotlib.figure import Figure
 from ...plan_types import HOMES, Plan
 from ...trace import LANE_ORDER, Trace
 from ...units import format_bytes
-from .style import fallback_color, lane_color, tier_color
-from .timeline import _label_spans, _message_figure
+from .style import fallback_color, tier_color
+from .timeline import _label_spans, _message_figure, lane_rows
 
 # chapter 7's policies, lightest on the device first (plan.POLICY_ORDER), each with a colour of its own
 POLICY_COLORS = {"offload_input": "#2F4B7C", "offload": "#64B5CD", "recompute": "#8172B3", "selective": "#CCB974",
@@ -169,16 +169,7 @@ def timeline_pair(predicted: Trace, measured: Trace, lanes: Sequence[str] | None
         shifted = Trace(origin=0.0)
         for s in trace.spans:
             shifted.record(s.lane, s.name, s.start - first, s.end - first, s.nbytes)
-        for row, lane in enumerate(rows):
-            ax.broken_barh([(s.start * 1e3, s.duration * 1e3) for s in shifted.on(lane)], (row - 0.38, 0.76),
-                           facecolors=lane_color(lane), edgecolors="white", linewidths=0.5)
-        ax.set_ylim(len(rows) - 0.5, -0.5)
-        ax.set_yticks(range(len(rows)), rows, fontsize=8)
-        ax.tick_params(axis="y", length=0)
-        ax.grid(axis="x", color="0.9", lw=0.8)
-        ax.set_axisbelow(True)
-        for side in ("top", "right", "left"):
-            ax.spines[side].set_visible(False)
+        lane_rows(ax, shifted, rows, linewidth=0.5)
         ax.set_title(f"{name}: {_seconds(ends[-1])}", fontsize=9, loc="left")
         shifted_traces.append(shifted)  # labelled once the shared x range is known
     x1 = max(ends) * 1e3 * 1.01 or 1.0

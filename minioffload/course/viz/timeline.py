@@ -39,6 +39,21 @@ def _text_color_on(color: str) -> str:
     return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.6 else "white"
 
 
+def lane_rows(ax: Axes, trace: Trace, rows: Sequence[str], fontsize: float = 8, linewidth: float = 0.6) -> None:
+    """Draw `trace`'s spans on `ax` as bars in ms, one row per lane of `rows` (first on top), in the lane's colour,
+    and style the axes as every timeline in the course is: lane names as ticks, a light x grid, no frame."""
+    for row, lane in enumerate(rows):
+        ax.broken_barh([(s.start * 1e3, s.duration * 1e3) for s in trace.on(lane)], (row - 0.38, 0.76),
+                       facecolors=lane_color(lane), edgecolors="white", linewidths=linewidth, label=lane)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_yticks(range(len(rows)), rows, fontsize=fontsize)
+    ax.tick_params(axis="y", length=0)
+    ax.grid(axis="x", color="0.9", lw=0.8)
+    ax.set_axisbelow(True)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+
+
 def timeline(trace: Trace, lanes: Sequence[str] | None = None,
              t_range: tuple[float, float] | None = None, title: str | None = None) -> Figure:
     """One row per lane (top to bottom in `trace.lanes()` order, or in the order of `lanes`), one bar
@@ -51,10 +66,7 @@ def timeline(trace: Trace, lanes: Sequence[str] | None = None,
         return _message_figure("no lanes selected", title)
 
     fig, ax = plt.subplots(figsize=(7.2, min(4.0, max(2.5, 1.3 + 0.42 * len(rows)))))
-    for row, lane in enumerate(rows):
-        spans = trace.on(lane)
-        ax.broken_barh([(s.start * 1e3, s.duration * 1e3) for s in spans], (row - 0.38, 0.76),
-                       facecolors=lane_color(lane), edgecolors="white", linewidths=0.6, label=lane)
+    lane_rows(ax, trace, rows, fontsize=9)
 
     if t_range is None:
         first, last = min(s.start for s in trace.spans), max(s.end for s in trace.spans)
@@ -69,14 +81,7 @@ def timeline(trace: Trace, lanes: Sequence[str] | None = None,
     ax.set_xlim(x0, x1)
     _label_spans(ax, trace, rows, x0, x1, axis_width_in=fig.get_figwidth() * 0.82)
 
-    ax.set_ylim(len(rows) - 0.5, -0.5)  # first lane on top
-    ax.set_yticks(range(len(rows)), rows, fontsize=9)
-    ax.tick_params(axis="y", length=0)
     ax.set_xlabel("time (ms)")
-    ax.grid(axis="x", color="0.9", lw=0.8)
-    ax.set_axisbelow(True)
-    for side in ("top", "right", "left"):
-        ax.spines[side].set_visible(False)
     ax.set_title(title, fontsize=10, loc="left")
     ax.set_title(f"makespan {trace.makespan() * 1e3:.3g} ms, overlap {trace.overlap_fraction():.0%}",
                  fontsize=8, loc="right", color="dimgray")

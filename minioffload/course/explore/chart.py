@@ -1,14 +1,18 @@
 """A Vega-Lite chart that shows itself in JupyterLab and in the static book, with no kernel and no network.
 
-`Chart(spec, name)` displays as:
+`Chart(spec, name)` displays as two outputs:
 
-* `application/vnd.vegalite.v5+json`: JupyterLab draws it with its own Vega renderer (Vega-Lite 5);
-* `application/javascript`: myst-nb writes it into the book page as a `<script>` that puts a `<div>` where it
-  stands and draws the spec there with the Vega scripts the book serves itself (`book/_vendor/vega/`, copied to
-  `_static/vega/` by `html_static_path`; see the Makefile's vendor rule). It never names a URL on the network.
-  Not `text/html`: JupyterLab ranks HTML above Vega-Lite and would show the HTML, which cannot reach the book's
-  scripts from a notebook server; it ranks JavaScript below Vega-Lite (and runs none in outputs).
-* `text/plain`: one line saying what the chart is.
+1. `application/vnd.vegalite.v5+json` alone: JupyterLab draws it with its own Vega renderer (Vega-Lite 5); the
+   book has no renderer for it and leaves it out.
+2. `application/javascript` (and a `text/plain` line saying what the chart is): myst-nb writes it into the book
+   page as a `<script>` that puts a `<div>` where it stands and draws the spec there with the Vega scripts the book
+   serves itself (`book/_vendor/vega/`, copied to `_static/vega/` by `html_static_path`; see the Makefile's vendor
+   rule). It never names a URL on the network. JupyterLab runs it too (a trusted output), with no `<script>`
+   element: it returns at once.
+
+Two outputs, not one bundle of both: JupyterLab picks one type per output and prefers JavaScript to Vega-Lite when
+the notebook is trusted (as after Run All), and the script cannot reach the book's Vega from a notebook server.
+Not `text/html`: JupyterLab would prefer it too.
 
 The script works on a page with require.js (the widget manager's loader: the Vega bundles are UMD and would
 register as anonymous AMD modules there, so it asks require.js for them by path) and on one without (it adds the
@@ -34,6 +38,7 @@ EMBED_OPTIONS = {"mode": "vega-lite", "renderer": "svg",
 # (window.__minioffloadVega) after the page has parsed, so a require.js the page loads later is seen.
 _LOADER = """(function () {
   var here = document.currentScript;
+  if (!here) { return; }  // JupyterLab evaluates the script itself (no <script>): it draws the spec output instead
   var box = document.createElement("div");
   box.className = "minioffload-explorer";
   box.setAttribute("data-explorer", %(name)s);
@@ -109,7 +114,16 @@ class Chart:
         """The chart as an HTML fragment: the script in a `<script>` tag (it adds its own `<div>`)."""
         return f'<script type="text/javascript">\n{self.script()}</script>'
 
-    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
+    def outputs(self) -> list[dict]:
+        """The two outputs the chart displays as: the spec alone (JupyterLab draws it; the book has no renderer for
+        it and shows nothing), then the script with a line of text (the book runs the script; JupyterLab runs it too,
+        where it finds no <script> of its own and does nothing)."""
         about = f": {self.description}" if self.description else ""
         plain = f"<{self.name} explorer, an interactive Vega-Lite chart{about}>"
-        return {VEGALITE_MIME: self.spec, JAVASCRIPT_MIME: self.script(), "text/plain": plain}
+        return [{VEGALITE_MIME: self.spec}, {JAVASCRIPT_MIME: self.script(), "text/plain": plain}]
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        for bundle in self.outputs():
+            display(bundle, raw=True)

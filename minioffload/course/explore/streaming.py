@@ -40,9 +40,12 @@ def _csv(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _own_link(hw) -> float:
+    return round(hw.link_h2d / GB, 3)  # GB/s, as the menu shows it
+
+
 def _links(hw) -> list[float]:
-    own = round(hw.link_h2d / GB, 3)
-    return sorted({*LINKS_GBPS, own})
+    return sorted({*LINKS_GBPS, _own_link(hw)})
 
 
 def streaming_table(work: Workload, hw, links_gbps: Sequence[float] | None = None) -> tuple[list[dict], list[dict]]:
@@ -86,7 +89,7 @@ def streaming_chart(work: Workload, hw, prefetch: int = 1, budget_blocks: int = 
                                                       "name": "prefetch "}},
         {"name": "budget", "value": budget_blocks, "bind": {"input": "range", "min": 1, "max": 6, "step": 1,
                                                             "name": "budget (blocks) "}},
-        {"name": "link", "value": links.index(round(hw.link_h2d / GB, 3)),
+        {"name": "link", "value": links.index(_own_link(hw)),
          "bind": {"input": "select", "options": list(range(len(links))), "labels": [f"{g:g}" for g in links],
                   "name": "link GB/s "}},
         {"name": "home", "value": home, "bind": {"input": "select", "options": list(HOMES), "name": "weights on "}},

@@ -91,5 +91,18 @@ gpu: $(VENV_STAMP)
 	echo "torch is built for CUDA $$major: installing the gpu-cuda$$major extra"; \
 	$(BIN)/python -m pip install --quiet -e ".[gpu-cuda$$major]"
 
+# torchao's wheel, for bench/offload_step.py's comparison on a GPU machine that reaches no registry: the session that
+# runs bench/gpu_check.py there carries bench/wheels (git-ignored). 0.17.0 is the release built for torch 2.11 (the GPU
+# image's); its CPUOffloadOptimizer is plain Python. The wheel is cp310-abi3, so it serves any CPython >= 3.10 there.
+TORCHAO_SPEC ?= torchao==0.17.0
+.PHONY: wheels
+wheels: $(VENV_STAMP)
+	rm -rf bench/wheels && mkdir -p bench/wheels
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 \
+	  --python-version 3.12 -d bench/wheels "$(TORCHAO_SPEC)"
+	@kib=$$(du -sk bench/wheels | cut -f1); ls -l bench/wheels; \
+	echo "bench/wheels: $$kib KiB (a run's carried files may total 64 MiB)"; \
+	[ "$$kib" -lt 32768 ] || { echo "bench/wheels is over 32 MiB: too much to carry beside the tree"; exit 1; }
+
 clean:
 	rm -rf book/_build book/_vendor .cache

@@ -11,8 +11,12 @@ hypothesis present; the project need not be installed: PYTHONPATH points here). 
     gpu_check.log    the tail of every step's output (longer tails for failures)
 Only the test files that hold `gpu` tests are collected (others import packages a GPU image may lack). CPU-only
 benchmarks (Adam, swapper, the step model on the sim) are not run on GPU time. Each step has its own time limit.
-torchao, for offload_step's comparison, is used when importable (a wheel can be installed with pip --no-deps from a
-file carried in the repository; the GPU machine reaches no registry).
+torchao, for offload_step's comparison with its CPUOffloadOptimizer: used when the machine's python imports it;
+otherwise the newest torchao wheel in bench/wheels (`make wheels` downloads it where PyPI is reachable; the GPU
+session carries the folder, since that machine reaches no registry) is installed with pip into a private folder
+that only the benchmark steps see. gpu_check.json says which happened, or why torchao is missing; a torchao that
+will not import is left off their path (offload_step leaves its row out), never a reason to fail the check.
+It does not download anything, install into the machine's python, or decide what the benchmarks measure.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +37,8 @@ BUDGET_S = 7 * 60
 TEST_LIMIT_S = 90
 DOCTOR_LIMIT_S = 30
 SHARD_LIMIT_S = 60
+TORCHAO_LIMIT_S = 30  # probe the machine's python, install the wheel, probe again: all three together
+WHEEL_DIR = ROOT / "bench" / "wheels"
 # benchmark -> time limit (s): the GPU ones, in --quick sizes that fit a 16-core, 128 GB machine
 BENCHES = {"copy_bandwidth": 40, "offload_step": 75, "hybrid": 90}
 
@@ -57,8 +66,98 @@ def _text(data) -> str:
     return data if isinstance(data, str) else data.decode(errors="replace")  # a timeout hands back bytes
 
 
-def run_step(name: str, argv: list[str], limit_s: float) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+def _python_path(*extra: str | None) -> str:
+    return os.pathsep.join(filter(None, [*extra, os.environ.get("PYTHONPATH")]))
+
+
+# Prints torchao's version and the module CPUOffloadOptimizer was imported from: torchao.optim in recent releases,
+# torchao.prototype.low_bit_optim in older ones; bench/offload_step.py tries the same two, in this order.
+_PROBE = """
+import json, torchao
+try:
+    from torchao.optim import CPUOffloadOptimizer
+    import_path = "torchao.optim"
+except ImportError:
+    from torchao.prototype.low_bit_optim import CPUOffloadOptimizer
+    import_path = "torchao.prototype.low_bit_optim"
+print(json.dumps({"version": torchao.__version__, "import_path": import_path}))
+"""
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def probe_torchao(extra_path: str | None, timeout_s: float) -> dict:
+    """Whether this python imports torchao and its CPUOffloadOptimizer, `extra_path` first on its path. A fresh
+    interpreter each time: a failed import must not linger in this process."""
+    env = {**os.environ, "PYTHONPATH": _python_path(extra_path)}
+    try:
+        result = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env,
+                                timeout=max(1.0, timeout_s))
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"importing torchao took over {timeout_s:.0f} s"}
+    if result.returncode != 0:
+        return {"ok": False, "error": _last_line(result.stderr)}
+    try:
+        return {"ok": True, **json.loads(_last_line(result.stdout))}
+    except json.JSONDecodeError:
+        return {"ok": False, "error": f"unexpected output from the torchao probe: {_last_line(result.stdout)}"}
+
+
+def _version_key(wheel: Path) -> tuple[int, ...]:
+    version = wheel.name.split("-")[1]  # name-version-tags.whl
+    return tuple(int(part) for part in re.findall(r"\d+", version))
+
+
+def newest_wheel(wheel_dir: Path) -> Path | None:
+    wheels = sorted(wheel_dir.glob("torchao-*.whl"), key=_version_key)
+    return wheels[-1] if wheels else None
+
+
+def install_wheel(wheel: Path, target: str, timeout_s: float) -> str | None:
+    """pip-installs `wheel` alone into `target` (no dependencies, no index: the GPU machine reaches no registry).
+    Returns None on success, else what went wrong."""
+    argv = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--no-compile",
+            "--no-cache-dir", "--disable-pip-version-check", "--target", target, str(wheel)]
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=max(1.0, timeout_s))
+    except subprocess.TimeoutExpired:
+        return f"pip install took over {timeout_s:.0f} s"
+    return None if result.returncode == 0 else f"pip install failed: {_last_line(result.stderr + result.stdout)}"
+
+
+def setup_torchao(wheel_dir: Path, target: str, limit_s: float = TORCHAO_LIMIT_S) -> tuple[dict, str | None]:
+    """Makes torchao importable for the benchmarks if it can. Returns the report for gpu_check.json (status
+    "found", "installed from wheel" or "missing", with the reason) and the folder to put on the benchmarks'
+    PYTHONPATH (None: nothing to add)."""
+    deadline = time.perf_counter() + limit_s
+    report = {"status": "missing", "version": None, "import_path": None, "wheel": None, "reason": None}
+    here = probe_torchao(None, deadline - time.perf_counter())
+    if here["ok"]:
+        return {**report, "status": "found", "version": here["version"], "import_path": here["import_path"]}, None
+    wheel = newest_wheel(wheel_dir)
+    if wheel is None:
+        report["reason"] = (f"this python does not import torchao ({here['error']}) and {wheel_dir} holds no "
+                            "torchao-*.whl: run `make wheels` where PyPI is reachable, then carry bench/wheels")
+        return report, None
+    report["wheel"] = wheel.name
+    failure = install_wheel(wheel, target, deadline - time.perf_counter())
+    if failure:
+        report["reason"] = f"{wheel.name}: {failure}"
+        return report, None
+    installed = probe_torchao(target, deadline - time.perf_counter())
+    if not installed["ok"]:
+        report["reason"] = (f"{wheel.name} installed but does not import with this torch ({installed['error']}): "
+                            "download a torchao built for it (TORCHAO_SPEC=torchao==VERSION make wheels)")
+        return report, None
+    return {**report, "status": "installed from wheel", "version": installed["version"],
+            "import_path": installed["import_path"]}, target
+
+
+def run_step(name: str, argv: list[str], limit_s: float, extra_path: str | None = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": _python_path(str(ROOT), extra_path),
            "NUMBA_CACHE_DIR": str(ROOT / ".cache" / "numba")}
     start = time.perf_counter()
     try:
@@ -77,8 +176,6 @@ def plan(cuda: bool) -> list[tuple[str, list[str], float]]:
                             *gpu_test_files()], TEST_LIMIT_S),
              ("doctor", [sys.executable, "-m", "minioffload", "doctor", "--no-measure"], DOCTOR_LIMIT_S)]
     if cuda:
-        import tempfile
-
         import torch
         ranks = str(max(1, torch.cuda.device_count()))
         steps.append(("sharded train (NCCL)", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", ranks,
@@ -94,6 +191,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="on a CPU machine: list the steps, run the tests "
                         "(they skip without CUDA), skip the benchmarks, and report the files and the budget")
+    parser.add_argument("--wheel-dir", type=Path, default=WHEEL_DIR,
+                        help="where to look for a torchao wheel when this python lacks torchao (default: %(default)s)")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT") or ROOT / "bench" / "results" / "gpu")
     out.mkdir(parents=True, exist_ok=True)
@@ -102,14 +201,24 @@ def main() -> int:
         print("no CUDA GPU visible: run with --dry-run to check the plan on this machine")
         return 2
     steps = plan(info["cuda_available"])
-    budget = sum(limit for _, _, limit in steps) + (0 if info["cuda_available"] else sum(BENCHES.values()))
+    budget = (sum(limit for _, _, limit in steps) + TORCHAO_LIMIT_S
+              + (0 if info["cuda_available"] else sum(BENCHES.values())))
     print(f"{len(steps)} step(s); time limits add up to {budget} s (budget {BUDGET_S} s); "
           f"test files: {', '.join(gpu_test_files())}")
     if budget > BUDGET_S:
         print(f"the steps' limits exceed the {BUDGET_S} s budget: lower them")
         return 2
     started_wall = time.time()
-    rows = [run_step(name, argv, limit) for name, argv, limit in steps]
+    torchao_dir = tempfile.mkdtemp(prefix="gpu_check_torchao_")
+    started = time.perf_counter()
+    torchao, bench_path = setup_torchao(args.wheel_dir, torchao_dir)
+    torchao["seconds"] = round(time.perf_counter() - started, 1)
+    print(f"torchao: {torchao['status']}" + "".join(f", {key} {torchao[key]}" for key in
+                                                  ("version", "import_path", "wheel", "reason") if torchao[key]))
+    try:
+        rows = [run_step(name, argv, limit, bench_path if name in BENCHES else None) for name, argv, limit in steps]
+    finally:
+        shutil.rmtree(torchao_dir, ignore_errors=True)
     if not info["cuda_available"]:
         rows += [{"step": name, "exit": "skipped: needs CUDA", "seconds": 0, "limit_s": limit, "output": ""}
                  for name, limit in BENCHES.items()]
@@ -117,13 +226,14 @@ def main() -> int:
     for path in sorted((ROOT / "bench" / "results").glob("*_cuda.json")):  # what the benchmarks wrote this run
         if path.stat().st_mtime >= started_wall:
             results[path.stem] = json.loads(path.read_text())
-    log = []
+    log = [f"===== torchao: {json.dumps(torchao)}\n"]
     for row in rows:
         output = row.pop("output")
         keep = 4000 if row["exit"] not in (0, 5) else 800  # pytest's 5: no test selected
         log.append(f"===== {row['step']}: exit {row['exit']}, {row['seconds']} s\n{output[-keep:]}\n")
     (out / "gpu_check.log").write_text("".join(log))
-    (out / "gpu_check.json").write_text(json.dumps({"machine": info, "steps": rows, "results": results}, indent=2))
+    (out / "gpu_check.json").write_text(json.dumps({"machine": info, "torchao": torchao, "steps": rows,
+                                                       "results": results}, indent=2))
     files = sorted(p.name for p in out.iterdir())
     failed = [r["step"] for r in rows if r["exit"] not in (0, 5) and not str(r["exit"]).startswith("skipped")]
     print(f"wrote {out}: {len(files)} file(s) ({', '.join(files)}); "

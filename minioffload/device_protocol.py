@@ -56,6 +56,7 @@ class Device(Protocol):
     kind: str  # "sim" or "cuda": for display and results, never for branching
     trace: Trace  # every copy and launch, as spans on lanes
     ledger: Ledger  # device memory the runtime allocated, adopted or placed
+    memory: Any  # device_common.DeviceMemory: which storages the ledger counts (`forget` stops counting one)
     default_stream: Stream
     adam_rate: float | None  # params/s a device-side Adam is modelled to take (sim); None: measured (cuda)
 

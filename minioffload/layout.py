@@ -56,6 +56,7 @@ class Slot:
     step: int = 0
     pending: list = field(default_factory=list)  # (event, staging view) of gradient copies not yet added in
     has_grad: bool = False  # a gradient arrived since the last step
+    bucket: object = None  # its gradient bucket (buckets.py) when gradients leave in buckets
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         """This parameter's elements of a subgroup buffer, flat."""
@@ -77,6 +78,8 @@ class Subgroup:
     # (kind, dtype) -> flat tensor in the parameters' dtype: kind "staging" (gradients arrive, 16-bit weights
     # leave) or "upload" (a delayed update's weights wait)
     staging: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    weights: torch.Tensor | None = None  # its parameters' device memory as one flat tensor (one upload), or None
+    buckets: list = field(default_factory=list)  # its gradient buckets (buckets.py), or [] for a copy per tensor
 
     def held(self) -> dict[str, torch.Tensor]:
         """Every buffer of this subgroup, by a printable name ("master", ..., "staging torch.bfloat16")."""

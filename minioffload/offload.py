@@ -56,19 +56,22 @@ import torch
 
 from . import layout, optimizer_state
 from .adam import adam_fused
+from .buckets import make_buckets
 from .delayed import DelayedUpdate
 from .device_path import DevicePath
 from .gradnorm import sum_of_squares
 from .layout import STATE, Slot, Subgroup, Where
+from .ledger import OutOfMemoryError
 from .nvme_tier import NvmeTier
 from .offload_sharded import ShardedSteps
+from .offload_speculative import SpeculativeSteps
 from .options import OffloadOptions
 from .sharding import WeightGather
 
 HYPER = ("lr", "betas", "eps", "weight_decay")  # what each param group gives the update
 
 
-class OffloadAdam(ShardedSteps, torch.optim.Optimizer):
+class OffloadAdam(ShardedSteps, SpeculativeSteps, torch.optim.Optimizer):
     """AdamW whose state lives in pinned host memory and whose update runs on the CPU.
 
     `dev` is a minioffload device (device.py) holding the model's parameters (`dev.place(model)`). lr, betas,
@@ -88,9 +91,13 @@ class OffloadAdam(ShardedSteps, torch.optim.Optimizer):
         if streamer is not None and (options.delayed or options.hybrid):
             raise ValueError("streamed weights are updated on the CPU and sent home between steps: "
                              "delay_updates_after, gpu_fraction and stride need them on the device; leave them off")
-        if shard is not None and (options.delayed or options.hybrid):
+        if shard is not None and (options.delayed or options.hybrid or options.speculative):
             raise ValueError("sharded offload (shard=) runs the synchronous CPU update on the host: leave "
-                             "delay_updates_after, gpu_fraction and stride off")
+                             "delay_updates_after, gpu_fraction, stride and speculative off")
+        if options.speculative and (swapper is not None or streamer is not None):
+            raise ValueError("the speculative update keeps a second set of state in host memory and uploads the "
+                             "weights: it is built for the host tier with weights on the device; leave swapper= and "
+                             "streamer= out, or speculative off")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not trainable:
@@ -119,6 +126,7 @@ class OffloadAdam(ShardedSteps, torch.optim.Optimizer):
             streamer.wraps = False  # the blocks change at step(): it prefetches the next pass after the update
         self._pack()
         self._share_homes()
+        self._start_speculation()
         for slot in self._slots.values():
             slot.param.register_post_accumulate_grad_hook(self._offload_grad)
 
@@ -143,7 +151,9 @@ class OffloadAdam(ShardedSteps, torch.optim.Optimizer):
             self.subgroups[index].where = Where.RESIDENT
         for index in streamed:
             self.subgroups[index].where = Where.STREAMED
-        # first: a split that does not fit fails here, before anything moves
+        for sub in self._on_cpu():  # one subgroup at a time, before the device path takes its memory
+            self._flatten_weights(sub)
+        # a split that does not fit fails here, before any state is made or moved
         self.device_path = DevicePath(self.dev, self.subgroups) if resident or streamed else None
         for sub in self.subgroups:
             if not self._mine(sub):  # another rank's: its state and staging live there
@@ -158,6 +168,8 @@ class OffloadAdam(ShardedSteps, torch.optim.Optimizer):
                 continue
             on_host = ("grad",) if self.swapper is not None else (*STATE, "grad")  # NVMe: the state goes to disk
             sub.buffers = self._host_buffers(sub.numel, on_host)
+            if self.options.bucket_numel is not None and self.shard is None:
+                sub.buckets = make_buckets(sub.slots, self.options.bucket_numel)
             for dtype in {s.param.dtype for s in sub.slots}:  # gradients arrive here, 16-bit weights leave
                 sub.staging["staging", dtype] = self.dev.host_empty(sub.numel, dtype)
                 if self.delayed:  # ... except with delayed updates: their weights wait in upload buffers
@@ -168,6 +180,24 @@ class OffloadAdam(ShardedSteps, torch.optim.Optimizer):
             self.nvme = NvmeTier(self.swapper, self.dev, self.h2d, self._on_cpu(), self.options.nvme_buffers)
             for sub in self._on_cpu():
                 self.nvme.store(sub, lambda views, sub=sub: self._initial_state(sub, views))
+
+    def _flatten_weights(self, sub: Subgroup) -> None:
+        """Give the subgroup's parameters one flat piece of device memory (their views), so its new weights go up
+        in one copy. Left as they are when they mix dtypes or some are streamed (those go up one by one). Costs one
+        subgroup of device memory for a moment (without it, the subgroup is left as it is): its old memory is freed once
+        the flat one holds the values."""
+        dtypes = {s.param.dtype for s in sub.slots}
+        if len(dtypes) > 1 or self.shard is not None or any(self._streamed(s) for s in sub.slots):
+            return
+        try:
+            sub.weights = self.dev.empty(sub.numel, dtypes.pop(), name="param")
+        except OutOfMemoryError:  # no room for the moment's extra subgroup: its weights go up tensor by tensor
+            return
+        for slot in sub.slots:
+            view = slot.shaped(sub.weights)
+            view.copy_(slot.param.detach())
+            self.dev.memory.forget(slot.param)  # counted once: the old memory goes when nothing holds it
+            slot.param.data = view  # the model's modules hold the same Parameter, now a view of the flat memory
 
     def _share_homes(self) -> None:
         """An fp32 streamed weight needs no copy of its own at home: the master is it (Tiny-Pipe's point)."""
@@ -214,10 +244,19 @@ class OffloadAdam(ShardedSteps, torch.optim.Optimizer):
         if slot.subgroup.where != Where.CPU:  # updated on the device: the gradient stays (torch accumulates)
             self.dev.adopt(param.grad, "grad")
             slot.has_grad = True
+            if all(s.has_grad for s in slot.subgroup.slots):
+                self.device_path.prefetch(slot.subgroup)  # a streamed subgroup's state starts in, during backward
             return
-        self._add_pending(slot)  # a previous micro-batch's copy must be added in before its staging is reused
+        bucket = slot.bucket
+        if bucket is None or not bucket.arrived:
+            self._add_pending(slot)  # a previous micro-batch's copy must be added in before its staging is reused
         grad, param.grad = param.grad.contiguous(), None  # the device gradient goes once its copy is done
         self.dev.adopt(grad, "grad")  # autograd made it on the device: count it there until it is freed
+        slot.has_grad = True
+        if bucket is not None:  # into the bucket's device memory; the bucket leaves in one copy once full
+            if bucket.take(slot, grad, self.dev):
+                bucket.send(self.dev, self.d2h, slot.subgroup.staging["staging", bucket.dtype])
+            return self._arrived(slot.subgroup, slot)
         staging = self._staging(slot)
         self.dev.stream_waits_for_compute(self.d2h)
         self.dev.copy(staging, grad, self.d2h, name="d2h grad")
@@ -225,15 +264,24 @@ class OffloadAdam(ShardedSteps, torch.optim.Optimizer):
         done = self.dev.event()
         done.record(self.d2h)
         slot.pending.append((done, staging))
-        slot.has_grad = True
+        self._arrived(slot.subgroup, slot)
 
     def _add_pending(self, slot: Slot) -> None:
-        if slot.pending:
+        """Add the slot's copied gradients (its bucket's, with buckets) into the subgroup's fp32 gradient."""
+        holder = slot if slot.bucket is None else slot.bucket
+        if holder.pending:
             self._join_update()  # the delayed update may still be reading the gradient buffer
-        for done, staging in slot.pending:
+        for done, staging in holder.pending:
             done.synchronize()  # never read an in-flight copy
-            slot.view(slot.subgroup.buffers["grad"]).add_(staging.reshape(-1).float())
-        slot.pending.clear()
+            holder.view(slot.subgroup.buffers["grad"]).add_(staging.reshape(-1).float())
+        holder.pending.clear()
+
+    def _send_partial_buckets(self) -> None:
+        """Buckets some of whose parameters got no gradient in the last backward leave now (zeros for those)."""
+        for sub in self.subgroups:
+            for bucket in sub.buckets:
+                if bucket.arrived:
+                    bucket.send(self.dev, self.d2h, sub.staging["staging", bucket.dtype])
 
     # step ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -245,13 +293,15 @@ class OffloadAdam(ShardedSteps, torch.optim.Optimizer):
         self._send_delayed_weights()  # a delayed update from the last step: its weights go up now
         if self.shard is not None:
             self._reduce_the_rest()
+        self._join_speculation()  # speculative: the updates begun during backward are done (offload_speculative.py)
+        self._send_partial_buckets()
         for slot in self._slots.values():
             self._add_pending(slot)
         if not self._grads_finite():  # overflow: skip this step everywhere, touch no state, lower the scale
             self.skipped_steps += 1
             self.scale *= 0.5
             self.clean_steps = 0
-            self.zero_grad()
+            self.zero_grad()  # (and speculated weights are taken back)
             self._next_forward_waits()
             return loss
         coef = self._clip_coefficient()
@@ -268,6 +318,7 @@ class OffloadAdam(ShardedSteps, torch.optim.Optimizer):
         else:
             self._update_all(coef, fresh, hyper, True)
         self._update_kept(coef)
+        self._end_speculation()
         if self.dynamic:
             self.clean_steps += 1
             if self.clean_steps % self.options.growth_interval == 0:
@@ -294,11 +345,14 @@ class OffloadAdam(ShardedSteps, torch.optim.Optimizer):
             subgroups = self._interleave(subgroups, fresh_ids, gather)
         for sub in subgroups:
             slots = [s for s in sub.slots if id(s) in fresh_ids]
+            if self._commit(sub, coef, slots, hyper):  # speculative: already updated, and its weights went up
+                sub.buffers["grad"].zero_()
+                continue
             self._update(sub, coef, slots, hyper)
             if gather is not None:
                 self._send_subgroup(sub, gather)
             elif send:
-                self._upload(slots)
+                self._upload(slots, whole=True)
             else:
                 for slot in slots:
                     DelayedUpdate.stash(slot)
@@ -327,8 +381,9 @@ class OffloadAdam(ShardedSteps, torch.optim.Optimizer):
         self.device_path.queue(work, coef, hyper)
 
     def _quiesce(self) -> None:
-        """The host waits for all update work: the delayed update joined, the device path done."""
+        """The host waits for all update work: the delayed or speculative update joined, the device path done."""
         self._join_update()
+        self._join_speculation()
         if self.device_path is not None:
             self.device_path.wait()
 
@@ -364,8 +419,10 @@ class OffloadAdam(ShardedSteps, torch.optim.Optimizer):
         """One flag from every subgroup: is any gradient inf or NaN? (Only checked with loss scaling on.)"""
         if self.scale == 1.0 and not self.dynamic:
             return True
-        finite = all(bool(torch.isfinite(sub.buffers["grad"]).all()) for sub in self._on_cpu()) and all(
-            bool(torch.isfinite(grad).all()) for grad in self._device_grads())
+        specs = self._speculations  # a speculative update checked its subgroup already
+        finite = all(specs[id(sub)].finite if id(sub) in specs else bool(torch.isfinite(sub.buffers["grad"]).all())
+                     for sub in self._on_cpu())
+        finite = finite and all(bool(torch.isfinite(grad).all()) for grad in self._device_grads())
         return finite if self.shard is None else self.shard.all_true(finite)  # sharded: skip on every rank or none
 
     def _clip_coefficient(self) -> float:
@@ -374,8 +431,10 @@ class OffloadAdam(ShardedSteps, torch.optim.Optimizer):
         if self.options.max_grad_norm is None:  # no clipping: skip a pass over every gradient
             self.last_grad_norm = None
             return 1.0 / (self.scale * (self.shard.world if self.shard is not None else 1))
-        if self.shard is None:
-            squares = sum(sum_of_squares(sub.buffers["grad"]) for sub in self._on_cpu())  # one pass, no temporaries
+        if self.shard is None:  # one pass, no temporaries; a speculative update took its subgroup's part already
+            specs = self._speculations
+            squares = sum(specs[id(sub)].squares if id(sub) in specs else sum_of_squares(sub.buffers["grad"])
+                          for sub in self._on_cpu())
         else:  # the owners' partial sums, added in the same order as one process adds them
             squares = self.shard.sum_in_order({self._index[id(sub)]: sum_of_squares(sub.buffers["grad"])
                                                for sub in self._on_cpu()}, len(self.subgroups))
@@ -410,12 +469,22 @@ class OffloadAdam(ShardedSteps, torch.optim.Optimizer):
         with self.dev.trace.span("compute", "adam (kept on device)"):
             self._device_opt.step()
 
-    def _upload(self, slots: list[Slot]) -> None:
+    def _upload(self, slots: list[Slot], whole: bool = False) -> None:
+        """The new weights of `slots` up to the device: a flat subgroup in one copy when all its slots are given, or
+        with `whole` (the step's update: a parameter without a gradient still holds its master, rounded)."""
         if slots:
             self.dev.stream_waits_for_compute(self.h2d)  # never overwrite weights that queued compute still reads
             if self.streamer is not None:
                 self.streamer.quiesce()  # no copy up is reading a home
+        given = {id(s) for s in slots}
+        whole = [sub for sub in dict.fromkeys(s.subgroup for s in slots)
+                 if sub.weights is not None and (whole or all(id(s) in given for s in sub.slots))]
+        for sub in whole:  # one copy each: the parameters are views of one flat piece of device memory
+            self._send_weights(sub, sub.buffers["master"], wait_for_compute=False)
+        sent = {id(sub) for sub in whole}
         for slot in slots:
+            if id(slot.subgroup) in sent:
+                continue
             master = self._master(slot)
             if self._streamed(slot):  # its home takes the new weights; the next fetch brings them up
                 self.streamer.set_weights(slot.param, master)
@@ -426,6 +495,17 @@ class OffloadAdam(ShardedSteps, torch.optim.Optimizer):
                 source = self._staging(slot)
                 source.copy_(master)  # round to the model's dtype (nearest even), on the CPU
             self.dev.copy(slot.param.data, source, self.h2d, name="h2d weights")
+
+    def _send_weights(self, sub: Subgroup, master: torch.Tensor, wait_for_compute: bool = True) -> None:
+        """A flat subgroup's weights from `master` (its fp32 master, or a speculated one) up in one copy, rounded
+        to the model's dtype in its staging first when that is not fp32."""
+        if wait_for_compute:
+            self.dev.stream_waits_for_compute(self.h2d)
+        source = master
+        if sub.weights.dtype != torch.float32:
+            source = sub.staging["staging", sub.weights.dtype]
+            source.copy_(master)  # round to nearest even, on the CPU
+        self.dev.copy(sub.weights, source, self.h2d, name="h2d weights")
 
     def master_weights(self) -> list[torch.Tensor]:
         """The fp32 master copy of each trainable parameter, in the order the optimizer holds them."""
@@ -453,7 +533,11 @@ class OffloadAdam(ShardedSteps, torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in [*self.kept, *self._slots]:
             p.grad = None
-        if not any(slot.has_grad or slot.pending for slot in self._slots.values()):
+        if self._speculations:
+            self._discard()  # zero_grad without step(): the speculated weights are taken back
+        self._send_partial_buckets()
+        if not any(slot.has_grad or slot.pending or (slot.bucket and slot.bucket.pending)
+                   for slot in self._slots.values()):
             return  # nothing arrived since step() consumed the gradients (and zeroed their buffers)
         for slot in self._slots.values():
             self._add_pending(slot)  # waits for the copies (and a delayed update) before the buffers change

@@ -73,6 +73,8 @@ def load(opt, state_dict: dict) -> None:
     except those a delayed update had not sent when the checkpoint was taken: with delayed updates on, they
     are sent at the next step(), as they would have been (load the model's state_dict as well)."""
     opt._quiesce()
+    if opt.device_path is not None:
+        opt.device_path.cancel()  # state a backward brought in is the old state: fetch it again
     check(opt, state_dict)
     slots = list(opt._slots.values())
     saved = state_dict["state"]

@@ -50,6 +50,14 @@ def _optional(parse: Callable) -> Callable:
     return read
 
 
+def _flag(text: str) -> bool:
+    if text.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not on or off; give true or false")
+
+
 def _loss_scale(text: str):
     return text if text == "dynamic" else _optional(float)(text)
 
@@ -88,6 +96,18 @@ class OffloadOptions:
         None, lambda v: v is None or (_int(v) and v >= 1),
         "an int >= 1 (every stride-th subgroup is updated on the device; 1: all)",
         "hybrid update, dynamic: every K-th subgroup's state visits the device for its update", _optional(int), "K")
+    bucket_numel: int | None = _option(
+        None, lambda v: v is None or (_int(v) and v >= 1),
+        "None (one copy per gradient tensor) or a positive int (elements per bucket)",
+        "gradients leave the device in buckets of about this many elements, one copy each; 'none': one copy per "
+        "tensor", _optional(int), "N")
+    speculative: bool = _option(
+        False, lambda v: isinstance(v, bool), "True or False",
+        "start each subgroup's CPU Adam as soon as its last gradient arrives, during backward; redone exactly "
+        "after backward if clipping or an overflow says so", _flag)
+    backwards_per_step: int = _option(
+        1, lambda v: _int(v) and v >= 1, "a positive int (micro-batches accumulated per step)",
+        "speculative update: backward passes per step (gradient accumulation); it starts during the last one")
     nvme_buffers: int = _option(
         3, lambda v: _int(v) and v >= 3, "at least 3 (one set reading, one updating, one writing)",
         "NVMe tier: pinned working sets the state streams through")
@@ -150,9 +170,15 @@ def _delay_or_hybrid(o: OffloadOptions) -> None:
                          "device-side update would race with the next forward; choose one")
 
 
-_RULES = (_one_split, _delay_offloads_all, _delay_or_hybrid)
+def _speculative_alone(o: OffloadOptions) -> None:
+    if o.speculative and (o.delayed or o.hybrid):
+        raise ValueError("speculative and a delayed or hybrid update (delay_updates_after, gpu_fraction, stride) do "
+                         "not combine: each changes when the update runs; choose one")
+
+
+_RULES = (_one_split, _delay_offloads_all, _delay_or_hybrid, _speculative_alone)
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadOptions)}
-_OFFLOAD_ONLY = ("min_offload_numel", "delay_updates_after", "gpu_fraction", "stride")
+_OFFLOAD_ONLY = ("min_offload_numel", "delay_updates_after", "gpu_fraction", "stride", "bucket_numel", "speculative")
 
 
 # the command line: one flag per field ---------------------------------------------------------------

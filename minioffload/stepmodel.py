@@ -22,6 +22,14 @@ bytes over `host_bandwidth` (the "host memory" bound, which the chapter 5 paper 
 contending with the CPU update). Several steps are simulated and the last one is reported, so a delayed update
 that spills into the next step is counted as it would be in a long run.
 
+Copies: a gradient leaves the device in one copy per tensor, or with `bucket_numel` in one copy per bucket (a
+subgroup's tensors packed in order into buckets of at most that many elements, a larger tensor alone), each bucket
+leaving when its last gradient is ready, after a device-side gather of its gradients (bytes / device_bandwidth).
+New weights go up in one copy per subgroup. Speculative update (`speculative`, issue 19): each subgroup's CPU update
+runs on a worker as soon as its gradients are on the host, in the order they arrive, during backward; after
+backward only the validation (the global norm combined from per-subgroup sums, when clipping) and the updates
+still running stand between the step and the next forward. The model predicts the common case: nothing redone.
+
 Streamed parameters (chapter 8, `params_on="host"` or `"nvme"`): the blocks' weights live off the device. Forward
 and backward run block by block (backward in reverse); each block's compute waits for its fetch (an H2D copy, after
 an NVMe read with the "nvme" home), and the fetch of the v-th block visited may not start before the (v - k - 1)-th
@@ -56,7 +64,7 @@ from .shards import ring_bytes, shard_owners
 from .stepmodel_prediction import Prediction, _on, _prediction, rank_of, resource_of
 from .stepmodel_prediction import compare as compare  # re-exported: callers import them from here
 from .stepmodel_types import PARAMS_ON as PARAMS_ON
-from .stepmodel_types import StepConfig, Workload
+from .stepmodel_types import StepConfig, Workload, pack_buckets
 from .trace import Trace
 
 # Bytes per parameter of the host passes the engine makes besides Adam (offload.py):
@@ -66,19 +74,6 @@ ZERO_BYTES = 4  # grad.zero_() after the update
 DEVICE_PATH_BYTES = 8  # hybrid device path besides Adam: gather the gradients into fp32 (write 4) and read the
 #                       master to write the weights (read 4); plus the gradient read and the weight write, each in
 #                       the model's dtype
-
-
-def _subgroups(work: Workload, numel: int) -> list[tuple[int, int]]:
-    """(params, tensors) per subgroup: parameters packed in order into subgroups of about `numel`, tensors of
-    equal size (the model knows counts, not shapes)."""
-    per_tensor = work.num_params / work.num_tensors
-    per_group = max(1, min(work.num_tensors, int(numel // per_tensor) or 1))
-    out, left = [], work.num_tensors
-    while left > 0:
-        tensors = min(per_group, left)
-        out.append((round(tensors * per_tensor), tensors))
-        left -= tensors
-    return out
 
 
 class _Builder:
@@ -93,11 +88,13 @@ class _Builder:
         n, t = work.num_params, work.tokens
         self.forward_s = 2 * n * t / flops
         self.backward_s = (4 + 2 * work.recompute) * n * t / flops
-        self.groups = _subgroups(work, config.subgroup_numel)
+        self.groups = work.subgroups(config.subgroup_numel)
         self.owners = shard_owners([params for params, _ in self.groups], config.ranks)
         self.job: dict[int, int] = {}  # delayed update: each rank's background update's last op
         self.entry: dict[int, int] = {}  # each rank's last step()'s start: its gradients have arrived
         self.state_home = None  # hybrid: the last streamed state copied back to the host
+        self.arrived: dict[int, int] = {}  # each offloaded subgroup's last gradient copy (this step's)
+        self.last_compute: int | None = None  # the last backward piece added
 
     def copy(self, direction: str, nbytes: float, copies: int, name: str, deps, stream: str, rank: int = 0) -> int:
         link = self.hw.link_h2d if direction == "h2d" else self.hw.link_d2h
@@ -118,31 +115,57 @@ class _Builder:
         sent = ring_bytes(kind, nbytes, self.ranks)
         return self.plan.add("net", name, self.hw.link_latency + sent / self.hw.interconnect, deps, sent, "net")
 
+    def grad_copies(self, params: float, tensors: int) -> list[tuple[float, int]]:
+        """(params, copies) of the pieces in which `tensors` equal gradients of `params` leave the device, in the
+        order backward finishes them: one piece of `tensors` copies (one per tensor); with bucket_numel one copy per
+        bucket, the last bucket first (backward runs the layers in reverse)."""
+        if self.config.bucket_numel is None:
+            return [(params, tensors)]
+        buckets = pack_buckets([params / tensors] * tensors, self.config.bucket_numel)
+        return [(sum(bucket), 1) for bucket in reversed(buckets)]
+
+    def hooks(self, params: float, copies: int, bucketed: bool) -> float:
+        """Seconds the gradient hooks add to the backward of `params` parameters: the host's time to issue `copies`
+        copies and, bucketed, the device-side gather of the gradients into their buckets."""
+        gather = 2 * params * self.work.model_bytes if bucketed else 0.0  # read and write, in the model's dtype
+        return copies * self.hw.copy_overhead + gather / self.hw.device_bandwidth
+
+    def backward_piece(self, params: float, copies: int, bucketed: bool) -> int:
+        """The backward of `params` parameters with its hooks (the gather is a host memcpy on a shared host)."""
+        work, hw = self.work, self.hw
+        seconds = self.backward_s * params / work.num_params + self.hooks(params, copies, bucketed)
+        return self.plan.add("compute", "backward", seconds, [self.last_compute], stream="compute",
+                             host_bytes=2 * params * work.model_bytes if bucketed and hw.shared_host else 0.0)
+
     def forward_backward(self, after: int | None) -> tuple[int, dict[int, list[int]]]:
         """Forward, then backward in pieces, each piece's gradient reduced to its owner (ranks > 1) and copied out
         there (offloaded CPU subgroups only); without offload, ranks > 1 all-reduce each piece's gradient (buckets)."""
-        plan, work, mb, groups = self.plan, self.work, self.work.model_bytes, self.groups
+        plan, mb, groups = self.plan, self.work.model_bytes, self.groups
         forward = plan.add("compute", "forward", self.forward_s, [after], stream="compute")
         if not self.config.offload and self.ranks == 1:
             return plan.add("compute", "backward", self.backward_s, [forward], stream="compute"), {}
         on_cpu = self.cpu_groups() if self.config.offload else set()
         copies: dict[int, list[int]] = {rank: [] for rank in range(self.ranks)}
-        last = forward
+        self.last_compute = forward
         for index in reversed(range(len(groups))):  # backward produces the last layers' gradients first
             params, tensors = groups[index]
-            hooks = tensors * self.hw.copy_overhead if index in on_cpu else 0.0  # the host issues each copy
-            last = plan.add("compute", "backward", self.backward_s * params / work.num_params + hooks, [last],
-                            stream="compute")
-            grad = last
-            if self.ranks > 1:
+            pieces = self.grad_copies(params, tensors) if index in on_cpu else [(params, 0)]
+            bucketed = index in on_cpu and self.config.bucket_numel is not None
+            done = []
+            for piece, piece_copies in pieces:
+                self.last_compute = self.backward_piece(piece, piece_copies, bucketed)
+                done.append(self.last_compute)
+            if self.ranks > 1:  # the subgroup's gradient, reduced to its owner, leaves from there
                 kind = "reduce" if self.config.offload else "all_reduce"
-                grad = self.collective(kind, params * mb, f"{kind.replace('_', '-')} grad", [last])
+                done = [self.collective(kind, params * mb, f"{kind.replace('_', '-')} grad", [done[-1]])] * len(done)
                 if not self.config.offload:
-                    copies[0].append(grad)
+                    copies[0].append(done[0])
             if index in on_cpu:
                 owner = self.owners[index]
-                copies[owner].append(self.copy("d2h", params * mb, tensors, "d2h grad", [grad], "d2h", owner))
-        return last, copies
+                for (piece, piece_copies), ready in zip(pieces, done, strict=True):
+                    copies[owner].append(self.copy("d2h", piece * mb, piece_copies, "d2h grad", [ready], "d2h", owner))
+                self.arrived[index] = copies[owner][-1]
+        return self.last_compute, copies
 
     def streamed_forward_backward(self, after: int | None) -> tuple[int, list[int]]:
         """Block by block: forward 0..L-1, the resident head, backward L-1..0; each block fetched before it runs
@@ -154,6 +177,9 @@ class _Builder:
         block, head = work.block_params, work.resident_params
         block_tensors = max(1, round(work.num_tensors * block / work.num_params))
         head_tensors = max(1, work.num_tensors - layers * block_tensors)
+        bucketed = self.config.bucket_numel is not None  # each block's gradients in buckets, counted per block
+        block_copies = sum(copies for _, copies in self.grad_copies(block, block_tensors))
+        head_copies = sum(copies for _, copies in self.grad_copies(head, head_tensors)) if head else 0
         visits = [*((False, i) for i in range(layers)), *((True, i) for i in reversed(range(layers)))]
         computes, copies, last = [], [], after
         for v, (backward, i) in enumerate(visits):
@@ -161,9 +187,9 @@ class _Builder:
                 last = plan.add("compute", "forward head", self.forward_s * head / work.num_params, [last],
                                 stream="compute")
                 last = plan.add("compute", "backward head", self.backward_s * head / work.num_params
-                                + head_tensors * hw.copy_overhead * bool(head), [last], stream="compute")
+                                + self.hooks(head, head_copies, bucketed), [last], stream="compute")
                 if head:
-                    copies.append(self.copy("d2h", head * mb, head_tensors, "d2h grad", [last], "d2h"))
+                    copies.append(self.copy("d2h", head * mb, head_copies, "d2h grad", [last], "d2h"))
             fetch = None
             if not (backward and 2 * (layers - 1 - i) < window - 1):  # else kept since its forward: used again soon
                 deps = [computes[v - window] if v >= window else None, None if backward else after]
@@ -175,12 +201,12 @@ class _Builder:
                 fetch = self.copy("h2d", block * mb, block_tensors, f"fetch block {i}", deps, "param h2d")
             seconds = self.forward_s * block / work.num_params
             if backward:  # the host issues each gradient copy from its hook
-                seconds = self.backward_s * block / work.num_params + block_tensors * hw.copy_overhead
+                seconds = self.backward_s * block / work.num_params + self.hooks(block, block_copies, bucketed)
             last = plan.add("compute", f"{'backward' if backward else 'forward'} block {i}", seconds, [last, fetch],
                             stream="compute")
             computes.append(last)
             if backward:
-                copies.append(self.copy("d2h", block * mb, block_tensors, "d2h grad", [last], "d2h"))
+                copies.append(self.copy("d2h", block * mb, block_copies, "d2h grad", [last], "d2h"))
         return last, copies
 
     def cpu_groups(self) -> set[int]:
@@ -199,6 +225,8 @@ class _Builder:
             return plan.add("compute", "device adam", work.num_params / hw.device_adam_rate,
                             [backward, *grad_copies.get(0, [])], stream="compute")
         on_cpu = sorted(self.cpu_groups())
+        if config.speculative:
+            return self.speculative_update(backward, grad_copies[0], on_cpu)
         own = {rank: [i for i in on_cpu if self.owners[i] == rank] for rank in range(self.ranks)}
         ready, uploads = {}, {rank: [] for rank in range(self.ranks)}
         for rank, mine in own.items():  # step() on each rank: its own subgroups' gradients are in
@@ -207,7 +235,7 @@ class _Builder:
             if config.delay and rank in self.job:  # send the last update's weights first
                 entry = plan.mark([entry, self.job[rank]])
                 uploads[rank].append(self.copy("h2d", sum(groups[i][0] for i in mine) * work.model_bytes,
-                                               sum(groups[i][1] for i in mine), "h2d weights", [entry], "h2d", rank))
+                                               len(mine), "h2d weights", [entry], "h2d", rank))  # one per subgroup
             ready[rank] = self.host("accumulate grads", ACCUMULATE_BYTES + work.model_bytes,
                                     sum(groups[i][0] for i in mine), [entry], rank=rank)
         if config.clip:
@@ -226,6 +254,16 @@ class _Builder:
             return plan.mark([*ready.values(), *every_upload, *broadcasts])
         return plan.mark([*last_cpu.values(), *every_upload, *broadcasts, device_done])
 
+    def speculative_update(self, backward: int, grad_copies: list[int], on_cpu: list[int]) -> int:
+        """Each subgroup's update on a worker as soon as its gradients are on the host, in the order they arrive (the
+        last subgroup first); after backward only the validation: the global norm combined from the sums of squares
+        taken as the gradients were added in (clipping). Nothing is redone: the common case."""
+        self.entry[0] = self.plan.mark([backward, *grad_copies])
+        order, uploads = on_cpu[::-1], []
+        last_cpu = self.update(0, order, self.arrived[order[0]], uploads)
+        validate = self.host("validate norm", 0, 0, [self.entry[0]]) if self.config.clip else None
+        return self.plan.mark([last_cpu, *uploads, validate])
+
     def clip(self, own: dict[int, list[int]], ready: dict[int, int]) -> None:
         """The global norm's passes on each rank's own subgroups; with ranks > 1 the partial norms are all-reduced
         (a few bytes: the link's latency) between the norm's read and the scaling."""
@@ -239,23 +277,27 @@ class _Builder:
             ready[rank] = self.host("clip scale", CLIP_BYTES - 4, params[rank], [total], rank=rank)
 
     def update(self, rank: int, mine: list[int], ready: int, uploads: list[int]) -> int:
-        """Rank `rank`'s CPU update of its own subgroups `mine` (its NVMe reads and writes, its uploads appended to
-        `uploads`); returns its last CPU op."""
+        """Rank `rank`'s CPU update of its own subgroups `mine`, in that order (its NVMe reads and writes, its uploads
+        appended to `uploads`); returns its last CPU op. Speculative: each subgroup also waits for its own gradients
+        and adds them in first."""
         config, plan, hw, groups, mb = self.config, self.plan, self.hw, self.groups, self.work.model_bytes
-        stream = "update" if config.delay else "host"  # the delayed update runs on a thread of its own
+        stream = "update" if config.delay or config.speculative else "host"  # these run on a thread of their own
         reads = self.nvme_reads(mine, ready, rank) if config.nvme else {}
         last_cpu, writes = ready, []
         for k, i in enumerate(mine):
-            params, tensors = groups[i]
+            params, _ = groups[i]
             if config.nvme and k + 1 < len(mine):  # prefetch the next subgroup into the third working set
                 reads[mine[k + 1]] = self.nvme_read(groups[mine[k + 1]][0], [
                     last_cpu, writes[k - 2] if k >= 2 else None, uploads[k - 2] if k >= 2 else None], rank)
+            if config.speculative:  # its gradients, added in as they arrive (with the norm's read when clipping)
+                last_cpu = self.host("accumulate grads", ACCUMULATE_BYTES + mb + 4 * config.clip, params,
+                                     [last_cpu, self.arrived[i]], stream)
             last_cpu = plan.add(_on("cpu", rank), f"adam {params / 1e6:.2f}M", params / hw.cpu_adam_rate,
                                 [last_cpu, reads.get(i)], stream=_on(stream, rank),
                                 host_bytes=params * ADAM_BYTES_PER_PARAM)
             rounding = (4 + mb) if mb != 4 else 0  # fp32 master -> 16-bit staging, for the upload
             last_cpu = self.host("round + zero grad", rounding + ZERO_BYTES, params, [last_cpu], stream,
-                                 issue=0 if config.delay or config.streamed else tensors, rank=rank)
+                                 issue=0 if config.delay or config.streamed else 1, rank=rank)
             if config.nvme:
                 state = params * STATE_BYTES_PER_PARAM
                 writes.append(plan.add(_on("nvme_write", rank), "nvme write", state / hw.nvme_write, [last_cpu],
@@ -266,7 +308,7 @@ class _Builder:
             elif config.params_on == "host":
                 uploads.append(last_cpu)  # rounded into the host home: the next fetch reads it there
             elif not config.delay:
-                uploads.append(self.copy("h2d", params * mb, tensors, "h2d weights", [last_cpu], "h2d", rank))
+                uploads.append(self.copy("h2d", params * mb, 1, "h2d weights", [last_cpu], "h2d", rank))
         return last_cpu
 
     def nvme_read(self, params: int, deps, rank: int = 0) -> int:
@@ -338,6 +380,7 @@ def predict(work: Workload, hw: Hardware, config: StepConfig | None = None, step
             hw.shared_host or (rank_of(op.lane) or 0) == rank))
 
     prediction.host_memory_s = max(host_bytes(rank) for rank in range(ranks)) / hw.host_bandwidth
+    prediction.lower_bound_s = max([*prediction.resource_busy.values(), prediction.host_memory_s])
     floor = prediction.host_memory_s
     if config.offload and not config.delay:  # the update phase: from a rank's step() to the next forward
         entries = {0: min(builder.entry.values(), key=lambda op: ops[op].end)} if hw.shared_host else builder.entry

@@ -9,7 +9,7 @@ What this is not: the model of the step (stepmodel.py builds and schedules its o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .profiles import Hardware
 from .trace import Trace, union_length
@@ -42,7 +42,13 @@ class Prediction:
     """A predicted step: its length, its trace (the last of the simulated steps, starting at 0), busy time per
     lane, the resource with the most busy time (`bound`: a lane, "nvme" for the drive, "host" for the shared
     cores of the sim, "host memory" when the step's DRAM traffic sets its length), and per lane the busy time
-    not hidden behind compute (`exposed`)."""
+    not hidden behind compute (`exposed`).
+
+    `lower_bound_s`: the step can be no shorter than the busy time of any one resource, each doing only its own
+    work with perfect overlap: the compute, each link direction ("d2h", "h2d"), the CPU ("cpu"; on a shared host
+    the one "host" that computes and updates), the drive ("nvme": reads and writes), the interconnect ("net"), and
+    host DRAM (`host_memory_s`). It is the largest of these; step_s / lower_bound_s says how far the schedule (the
+    dependencies between the work) keeps the step from that perfect overlap."""
 
     step_s: float
     trace: Trace
@@ -57,6 +63,14 @@ class Prediction:
     link_bytes: float = 0.0  # bytes over rank 0's host link per step (D2H + H2D)
     rank_link_bytes: tuple[float, ...] = ()  # ... per rank
     interconnect_bytes: float = 0.0  # bytes each rank sends (and receives) over the interconnect per step
+    resource_busy: dict[str, float] = field(default_factory=dict)  # resource (resource_of) -> its busy seconds
+    lower_bound_s: float = 0.0  # the busiest resource's busy seconds or host_memory_s, whichever is larger
+
+    @property
+    def lower_bound(self) -> str:
+        """The resource whose busy time is `lower_bound_s` ("host memory" when the DRAM traffic is)."""
+        busiest = max(self.resource_busy, key=self.resource_busy.get, default="nothing")
+        return "host memory" if self.host_memory_s >= self.resource_busy.get(busiest, 0.0) else busiest
 
     @property
     def exposed_fetch_fraction(self) -> float:
@@ -81,10 +95,11 @@ def _prediction(trace: Trace, step_s: float, hw: Hardware) -> Prediction:
     resources: dict[str, list] = {}
     for span in trace.spans:
         resources.setdefault(resource_of(span.lane, hw), []).append((span.start, span.end))
-    bound = max(resources, key=lambda r: union_length(resources[r])) if resources else "nothing"
+    resource_busy = {resource: union_length(spans) for resource, spans in resources.items()}
+    bound = max(resource_busy, key=resource_busy.get) if resources else "nothing"
     fetch_s = union_length(fetches)
     return Prediction(step_s, trace, busy, exposed, bound, fetch_s=fetch_s,
-                      exposed_fetch_s=fetch_s - _overlap(fetches, compute))
+                      exposed_fetch_s=fetch_s - _overlap(fetches, compute), resource_busy=resource_busy)
 
 
 def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:

@@ -297,7 +297,7 @@ def test_sharded_options_are_refused_clearly():
     with pytest.raises(ValueError, match="TrainConfig.shard runs the synchronous CPU update"):
         TrainConfig(device="sim", shard=True, optimizer=OffloadOptions(gpu_fraction=0.5))
     with device("sim") as dev:
-        with pytest.raises(ValueError, match="leave delay_updates_after, gpu_fraction and stride off"):
+        with pytest.raises(ValueError, match="leave delay_updates_after, gpu_fraction, stride and speculative off"):
             OffloadAdam(on_sim(Toy(), dev).parameters(), dev, shard=object(), stride=2)
     with pytest.raises(ValueError, match="torch.distributed initialised"):
         Shard()

@@ -1,0 +1,194 @@
+"""Bucketed gradient copies, one upload per subgroup and the speculative update (issue 19) change when work runs, never
+what it computes: every run here must end with weights bit for bit those of the plain synchronous OffloadAdam."""
+
+import threading
+
+import pytest
+import torch
+from helpers import HYPER, Toy, batch, loss_of, on_sim
+
+from minioffload.device import Link, device
+from minioffload.offload import OffloadAdam
+
+PLAIN = {}
+VARIANTS = {
+    "buckets": {"bucket_numel": 200},
+    "speculative": {"speculative": True},
+    "both": {"bucket_numel": 200, "speculative": True},
+    "buckets bigger than subgroups": {"bucket_numel": 1 << 20, "speculative": True},
+}
+
+
+def run(options, steps=4, micro_batches=1, dtype=torch.float32, use_side=lambda step: False, jitter=0.0,
+        losses_scale=None, **common):
+    """Train the seeded Toy; its final weights, the optimizer's counters and the traces' lanes."""
+    torch.manual_seed(0)
+    with device("sim", jitter=jitter, seed=1) as dev:
+        model = on_sim(Toy(width=16).to(dtype), dev)
+        opt = OffloadAdam(model.parameters(), dev, subgroup_numel=600, **common, **options, **HYPER)
+        for step in range(steps):
+            for micro in range(micro_batches):
+                idx, targets = batch(100 * step + micro)
+                loss = loss_of(model, idx, targets, use_side(step)) / micro_batches
+                if losses_scale is not None:
+                    loss = loss * losses_scale(step)
+                opt.scale_loss(loss).backward()
+            opt.step()
+            opt.zero_grad()
+        dev.synchronize()
+        names = {s.name for s in dev.trace.spans}
+        return [p.detach().clone() for p in model.parameters()], (opt.updates, opt.skipped_steps, opt.scale), names
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_variant_trains_exactly_like_the_synchronous_step(variant, dtype):
+    reference, counts, _ = run(PLAIN, dtype=dtype)
+    weights, counts_variant, names = run(VARIANTS[variant], dtype=dtype)
+    assert same(reference, weights)
+    assert counts == counts_variant
+    if VARIANTS[variant].get("speculative"):
+        assert any("speculative" in name for name in names)  # the update did run during backward
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1e3])  # every step clipped (all redone) / never clipped (all kept)
+def test_clipping_gives_the_synchronous_result_whether_the_speculation_holds_or_not(clip):
+    reference, _, _ = run(PLAIN, max_grad_norm=clip)
+    for options in VARIANTS.values():
+        assert same(reference, run(options, max_grad_norm=clip)[0])
+    torch.manual_seed(0)
+    with device("sim") as dev:
+        model = on_sim(Toy(width=16), dev)
+        opt = OffloadAdam(model.parameters(), dev, subgroup_numel=600, speculative=True, max_grad_norm=clip, **HYPER)
+        loss_of(model, *batch(0), use_side=True).backward()
+        opt.step()
+        clipped = clip < 1
+        assert opt.speculation == {"kept": 0 if clipped else len(opt.subgroups), "taken back": 0,
+                                   "redone": len(opt.subgroups) if clipped else 0}
+
+
+def test_an_overflow_skips_the_step_and_takes_the_speculated_weights_back():
+    huge = lambda step: 1e38 if step == 1 else 1.0  # noqa: E731  (step 1 overflows in fp32 once scaled)
+    reference, counts, _ = run(PLAIN, loss_scale="dynamic", losses_scale=huge)
+    assert counts[1] == 1  # one skipped step in the reference too
+    for options in VARIANTS.values():
+        weights, counts_variant, _ = run(options, loss_scale="dynamic", losses_scale=huge)
+        assert same(reference, weights) and counts == counts_variant
+
+
+def test_accumulation_speculates_on_the_last_micro_batch_only():
+    reference, _, _ = run(PLAIN, micro_batches=3)
+    assert same(reference, run({"speculative": True, "backwards_per_step": 3}, micro_batches=3)[0])
+    assert same(reference, run({"speculative": True, "backwards_per_step": 3, "bucket_numel": 100},
+                               micro_batches=3)[0])
+
+
+def test_parameters_that_sometimes_get_no_gradient_and_kept_ones_change_nothing():
+    sometimes = lambda step: step % 2 == 0  # noqa: E731
+    reference, _, _ = run(PLAIN, use_side=sometimes, min_offload_numel=20, max_grad_norm=0.5)
+    for options in VARIANTS.values():
+        assert same(reference, run(options, use_side=sometimes, min_offload_numel=20, max_grad_norm=0.5)[0])
+
+
+def test_a_jittered_device_never_changes_the_result():
+    reference, _, _ = run(PLAIN)
+    for options in VARIANTS.values():
+        assert same(reference, run(options, jitter=2e-4)[0])
+
+
+def test_a_bucket_leaves_in_one_copy_and_a_subgroup_goes_up_in_one():
+    torch.manual_seed(0)
+    with device("sim") as dev:
+        model = on_sim(Toy(width=16), dev)
+        tensors = len(list(model.parameters())) - 1  # one is frozen
+        opt = OffloadAdam(model.parameters(), dev, subgroup_numel=1 << 20, bucket_numel=1 << 20, **HYPER)
+        assert len(opt.subgroups) == 1 and len(opt.subgroups[0].buckets) == 1
+        loss_of(model, *batch(0)).backward()
+        opt.step()
+        dev.synchronize()
+        d2h = [s for s in dev.trace.spans if s.lane == "d2h"]
+        h2d = [s for s in dev.trace.spans if s.lane == "h2d"]
+        assert tensors > 2 and len(d2h) == 1 and len(h2d) == 1
+        assert all(p.data_ptr() == opt.subgroups[0].weights.data_ptr() + 4 * slot.offset
+                   for p, slot in opt._slots.items())
+
+
+def test_a_backward_more_than_declared_is_refused_and_loses_nothing():
+    torch.manual_seed(0)
+    with device("sim") as dev:
+        model = on_sim(Toy(), dev)
+        opt = OffloadAdam(model.parameters(), dev, subgroup_numel=600, speculative=True, **HYPER)
+        before = [p.detach().clone() for p in model.parameters()]
+        state = [t.clone() for sub in opt.subgroups for t in sub.buffers.values()]
+        loss_of(model, *batch(0)).backward()  # speculated: the weights on the device changed
+        with pytest.raises(RuntimeError, match="set backwards_per_step to the micro-batches per step"):
+            loss_of(model, *batch(1)).backward()
+        dev.synchronize()
+        assert same(before, [p.detach() for p in model.parameters()])  # the old weights are back
+        assert same(state[:3], [t for sub in opt.subgroups for t in sub.buffers.values()][:3])
+        opt.zero_grad()
+        loss_of(model, *batch(0)).backward()  # and training goes on
+        opt.step()
+
+
+def test_zero_grad_without_a_step_takes_the_speculated_weights_back():
+    torch.manual_seed(0)
+    with device("sim") as dev:
+        model = on_sim(Toy(), dev)
+        opt = OffloadAdam(model.parameters(), dev, subgroup_numel=600, speculative=True, **HYPER)
+        before = [p.detach().clone() for p in model.parameters()]
+        loss_of(model, *batch(0)).backward()
+        opt.zero_grad()
+        dev.synchronize()
+        assert same(before, [p.detach() for p in model.parameters()])
+        assert opt.updates == 0
+
+
+def slow_link_weights():
+    """Four speculative steps on a strict sim whose link moves 1 MB/s: every gradient copy takes milliseconds."""
+    torch.manual_seed(0)
+    with device("sim", h2d=Link(1e6), d2h=Link(1e6), strict=True) as dev:
+        model = on_sim(Toy(width=16), dev)
+        opt = OffloadAdam(model.parameters(), dev, subgroup_numel=600, speculative=True, **HYPER)
+        for step in range(4):
+            loss_of(model, *batch(100 * step)).backward()
+            opt.step()
+            opt.zero_grad()
+        dev.synchronize()
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_missing_wait_for_the_gradient_copies_is_caught(monkeypatch):
+    """Plant the mistake: the speculative worker adds the staged gradients without waiting for their copies. The
+    copies are still running, the strict sim's staging reads NaN, and the weights differ."""
+    reference, _, _ = run(PLAIN)
+    assert same(reference, slow_link_weights())  # with the wait: exact
+    original = OffloadAdam._add_pending
+
+    def planted(self, slot):
+        if not threading.current_thread().name.startswith("speculative adam"):
+            return original(self, slot)
+        holder = slot if slot.bucket is None else slot.bucket
+        for _done, staging in holder.pending:  # no _done.synchronize(): the mistake
+            holder.view(slot.subgroup.buffers["grad"]).add_(staging.reshape(-1).float())
+        holder.pending.clear()
+
+    monkeypatch.setattr(OffloadAdam, "_add_pending", planted)
+    assert not same(reference, slow_link_weights())
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"speculative": True, "delay_updates_after": 0}, "speculative and a delayed or hybrid update"),
+    ({"speculative": True, "stride": 2}, "speculative and a delayed or hybrid update"),
+    ({"speculative": "yes"}, "speculative must be True or False"),
+    ({"bucket_numel": 0}, "bucket_numel must be None"),
+    ({"backwards_per_step": 0}, "backwards_per_step must be a positive int"),
+])
+def test_bad_options_are_refused_naming_the_fix(sim, options, match):
+    model = on_sim(Toy(), sim)
+    with pytest.raises(ValueError, match=match):
+        OffloadAdam(model.parameters(), sim, **options)

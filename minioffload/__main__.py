@@ -117,6 +117,9 @@ def add_step_parser(commands) -> argparse.ArgumentParser:
     st.add_argument("--stride", type=int, default=None, metavar="K", help="hybrid update, every K-th subgroup")
     st.add_argument("--nvme", action="store_true", help="optimizer state on NVMe")
     st.add_argument("--clip", action="store_true", help="gradient clipping (a pass over the gradients)")
+    st.add_argument("--bucket-numel", type=int, default=None, metavar="N",
+                    help="gradients leave in buckets of about N elements (one copy each); default: one per tensor")
+    st.add_argument("--speculative", action="store_true", help="each subgroup's CPU update starts during backward")
     st.add_argument("--mfu", type=float, default=0.4, help="model FLOP/s utilisation of forward and backward")
     st.add_argument("--trace", default=None, metavar="FILE", help="save the predicted step as a Perfetto trace")
     st.set_defaults(run=step_command)
@@ -237,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                                            args.recompute)
             args.step_config = stepmodel.StepConfig(
                 offload=args.offload, subgroup_numel=args.subgroup_numel, delay=args.delay,
-                gpu_fraction=args.gpu_fraction, stride=args.stride, nvme=args.nvme, clip=args.clip, mfu=args.mfu)
+                gpu_fraction=args.gpu_fraction, stride=args.stride, nvme=args.nvme, clip=args.clip, mfu=args.mfu,
+                bucket_numel=args.bucket_numel, speculative=args.speculative)
         except ValueError as err:  # name the flag, not the field
             message = options.name_flags(str(err))
             for field, flag in (("num_params", "--params"), ("num_tensors", "--tensors"), ("tokens", "--tokens"),

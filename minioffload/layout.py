@@ -80,10 +80,12 @@ class Subgroup:
     staging: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)
     weights: torch.Tensor | None = None  # its parameters' device memory as one flat tensor (one upload), or None
     buckets: list = field(default_factory=list)  # its gradient buckets (buckets.py), or [] for a copy per tensor
+    spare: dict[str, torch.Tensor] = field(default_factory=dict)  # the speculative update's second set of STATE
 
     def held(self) -> dict[str, torch.Tensor]:
         """Every buffer of this subgroup, by a printable name ("master", ..., "staging torch.bfloat16")."""
-        return {**self.buffers, **{f"{kind} {dtype}": t for (kind, dtype), t in self.staging.items()}}
+        return {**self.buffers, **{f"{kind} {dtype}": t for (kind, dtype), t in self.staging.items()},
+                **{f"spare {name}": t for name, t in self.spare.items()}}
 
 
 def pack(param_groups: list[dict], subgroup_numel: int, skip: set = frozenset()

@@ -91,7 +91,7 @@ class Footprint:
 
 
 def footprint(precision: str = "mixed_bf16", optimizer: str = "adam", placement: str = "device",
-              delay: bool = False) -> Footprint:
+              delay: bool = False, speculative: bool = False) -> Footprint:
     """Bytes per parameter of weights, grads, master weights and optimizer state, per tier.
 
     precision: "fp32" (everything fp32), "mixed_fp16"/"mixed_bf16" (16-bit weights and grads, fp32
@@ -109,6 +109,8 @@ def footprint(precision: str = "mixed_bf16", optimizer: str = "adam", placement:
         "params_nvme"    ZeRO-Infinity in full: weights and optimizer state on NVMe, streamed through
                          host memory; the host keeps only the gradients.
     delay: the one-step delayed update (chapter 4): new weights wait in upload buffers of their own.
+    speculative: the speculative update (chapter 4): a second set of master weights and state ("spare") that the
+        update writes into during backward, until validation keeps it.
 
     Offloaded placements count what minioffload's engine (`OffloadAdam`) allocates, not the textbook
     minimum: gradients arrive in a pinned staging buffer in the model's dtype and are summed into an fp32
@@ -123,9 +125,10 @@ def footprint(precision: str = "mixed_bf16", optimizer: str = "adam", placement:
     _require(precision, PRECISIONS, "precision")
     _require(optimizer, OPTIMIZERS, "optimizer")
     _require(placement, PLACEMENTS, "placement")
-    if delay and placement != "optimizer_cpu":
-        raise ValueError(f"the delayed update runs with placement 'optimizer_cpu' only (the engine refuses it with "
-                         f"the NVMe tier), got placement {placement!r}")
+    for name, on in (("the delayed update", delay), ("the speculative update", speculative)):
+        if on and placement != "optimizer_cpu":
+            raise ValueError(f"{name} runs with placement 'optimizer_cpu' only (the engine refuses it with the NVMe "
+                             f"tier and streamed weights), got placement {placement!r}")
 
     model_b, master_b = _MODEL_BYTES[precision], _MASTER_BYTES[precision]
     weights_tier = {"params_cpu": "host", "params_nvme": "nvme"}.get(placement, "device")
@@ -146,17 +149,22 @@ def footprint(precision: str = "mixed_bf16", optimizer: str = "adam", placement:
         parts.append(Part("previous", "nvme", master_b * (1 + _STATE_COUNT[optimizer])))
     if delay:
         parts.append(Part("upload", "host", model_b))
+    if speculative:
+        parts.append(Part("spare", "host", master_b * (1 + _STATE_COUNT[optimizer])))
     return Footprint(precision, optimizer, placement, tuple(parts))
 
 
 def engine_bytes(numels: list[int], precision: str = "mixed_bf16", subgroup_numel: int = 1 << 22,
                  delay: bool = False, gpu_fraction: float | None = None, stride: int | None = None,
-                 nvme: bool = False, nvme_buffers: int = 3, ranks: int = 1) -> dict[str, int]:
+                 nvme: bool = False, nvme_buffers: int = 3, ranks: int = 1, speculative: bool = False,
+                 scratch_sets: int = 3) -> dict[str, int]:
     """Bytes `OffloadAdam` holds on each tier for parameters of `numels` elements, exactly: the per-parameter
     parts of `footprint` plus what is per subgroup (the NVMe tier's working sets, the hybrid path's scratch).
 
-    device: the weights, and for hybrid updates the resident subgroups' state and gradient (16 B/param) and two
-    scratch sets of the largest streamed subgroup (state and gradient, 16 B/param each). host: pinned memory.
+    device: the weights, and for hybrid updates the resident subgroups' state and gradient (16 B/param) and
+    `scratch_sets` sets of the largest streamed subgroup (state and gradient, 16 B/param each): 3 on a GPU, on the
+    sim what `hybrid.scratch_sets` answers for its link (`DevicePath.sets`). host: pinned memory (with
+    `speculative`, a second set of state for every CPU subgroup).
     nvme: the swapper's files (two versions of each subgroup's state, padded to 4 KiB). Refuses nothing the
     engine accepts; the kept small parameters of `min_offload_numel` are not modelled.
 
@@ -176,9 +184,9 @@ def engine_bytes(numels: list[int], precision: str = "mixed_bf16", subgroup_nume
         on_cpu = [n for n, o in zip(sizes, owners, strict=True) if o == heaviest]
     state = 3 * 4  # fp32 master, exp_avg, exp_avg_sq
     device = sum(numels) * model_b + 16 * sum(sizes[i] for i in resident)
-    device += 2 * 16 * max((sizes[i] for i in streamed), default=0)
+    device += scratch_sets * 16 * max((sizes[i] for i in streamed), default=0)
     host = state * sum(sizes[i] for i in streamed)  # streamed subgroups keep their state on the host
-    per_cpu_param = 4 + model_b + (model_b if delay else 0) + (0 if nvme else state)
+    per_cpu_param = 4 + model_b + (model_b if delay else 0) + (0 if nvme else state) + (state if speculative else 0)
     host += per_cpu_param * sum(on_cpu)
     disk = 0
     if nvme and on_cpu:

@@ -20,6 +20,9 @@ With `tie_weights=True` (the default) the LM head's weight IS the token embeddin
 reached from two modules. `model.parameters()` yields it once; an offload engine that walks modules instead
 of parameters must notice the sharing, or it will copy, update and count that tensor twice.
 
+`PaddedStack` is not a language model: linear layers whose compute takes a modelled time (a GPU's, beside the
+host), for the benchmarks and chapters that need the device's compute not to use the host's cores.
+
 What this is not: a tuned model (no flash-attention switches, no KV cache, no weight-decay groups, no
 checkpoint loading); a BPE tokenizer; a data pipeline (the whole corpus is one in-memory tensor).
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
 from importlib import resources
 
@@ -248,6 +252,47 @@ class GPT(nn.Module):
 
 # ---------------------------------------------------------------------------------------------
 # tokenizer and data
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity whose forward and backward each wait a given time, the GIL released."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s: float, backward_s: float):
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class PaddedStack(nn.Module):
+    """Square linear layers whose forward and backward take modelled times on the "device": beside its small real
+    work each layer sleeps for its share of `forward_s` and `backward_s` (seconds for the whole stack), using no
+    core. On the simulated device a real model's compute runs on the host's own cores and competes with the CPU
+    update; this stand-in for a GPU's compute leaves them to the host, as on a server. Chapter 4's speculative
+    update and its benchmark need the two side by side. Each layer's sleep in backward comes after its weight's
+    gradient is ready, as a GPU's later kernels would.
+
+        model = PaddedStack(width=1024, layers=10, forward_s=0.01, backward_s=0.02)   # ~10.5M parameters
+        loss = model(torch.randn(4, 1024)).square().mean()
+    """
+
+    def __init__(self, width: int = 1024, layers: int = 10, forward_s: float = 0.0, backward_s: float = 0.0):
+        super().__init__()
+        if forward_s < 0 or backward_s < 0:
+            raise ValueError(f"forward_s and backward_s are seconds >= 0, got {forward_s}, {backward_s}")
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.forward_s, self.backward_s = forward_s, backward_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        share = 1 / len(self.layers)
+        for layer in self.layers:
+            x = torch.tanh(layer(_Sleep.apply(x, self.forward_s * share, self.backward_s * share)))
+        return x
 
 
 class CharTokenizer:

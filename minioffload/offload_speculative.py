@@ -66,12 +66,11 @@ class SpeculativeSteps:
         self._backwards: dict[int, int] = {}  # id(subgroup) -> backward passes that completed it since the step
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="speculative adam") if self._speculating else None
         self._futures: list = []
-        self._spare: dict[int, dict[str, torch.Tensor]] = {}
         # subgroups whose speculated update was kept, redone (clipped, or a setting changed), or taken back (overflow)
         self.speculation = {"kept": 0, "redone": 0, "taken back": 0}
         if self._speculating:
             for sub in self._on_cpu():  # the second set of state: 12 B/param of pinned host memory
-                self._spare[id(sub)] = {name: self.dev.host_empty(sub.numel) for name in STATE}
+                sub.spare = {name: self.dev.host_empty(sub.numel) for name in STATE}
 
     def _arrived(self, sub: Subgroup, slot) -> None:
         """Backward hook, after the slot's gradient left: count it; speculate when the subgroup is complete."""
@@ -114,7 +113,7 @@ class SpeculativeSteps:
             spec.finite = bool(torch.isfinite(grad).all())
         if not spec.finite:
             return  # the step will be skipped: nothing to update
-        old, new = sub.buffers, self._spare[id(sub)]
+        old, new = sub.buffers, sub.spare
         with self.dev.trace.span("cpu", f"adam {sub.numel / 1e6:.2f}M (speculative)", 28 * sub.numel):
             for run, (lr, betas, eps, decay) in zip(layout.runs(sub, sub.slots), spec.hyper, strict=True):
                 span = slice(run[0].offset, run[-1].offset + run[-1].numel)
@@ -144,9 +143,8 @@ class SpeculativeSteps:
                 or spec.steps != tuple(s.step for s in sub.slots)):
             self.speculation["redone"] += 1
             return False  # redone from the pre-step state, which the speculation left as it was
-        new = self._spare[id(sub)]
-        self._spare[id(sub)] = {name: sub.buffers[name] for name in STATE}
-        sub.buffers.update(new)
+        for name in STATE:  # the speculated state becomes the state; the old one the next spare
+            sub.buffers[name], sub.spare[name] = sub.spare[name], sub.buffers[name]
         self.speculation["kept"] += 1
         return True
 

@@ -115,27 +115,33 @@ class _Builder:
         sent = ring_bytes(kind, nbytes, self.ranks)
         return self.plan.add("net", name, self.hw.link_latency + sent / self.hw.interconnect, deps, sent, "net")
 
-    def grad_copies(self, params: float, tensors: int) -> list[tuple[float, int]]:
-        """(params, copies) of the pieces in which `tensors` equal gradients of `params` leave the device, in the
-        order backward finishes them: one piece of `tensors` copies (one per tensor); with bucket_numel one copy per
-        bucket, the last bucket first (backward runs the layers in reverse)."""
+    def grad_copies(self, params: float, tensors: int) -> list[tuple[float, int, float]]:
+        """(params, copies, gathered params) of the pieces in which `tensors` equal gradients of `params` leave the
+        device, in the order backward finishes them: one piece of `tensors` copies (one per tensor); with
+        bucket_numel one copy per bucket, the last bucket first (backward runs the layers in reverse), its
+        gradients gathered into the bucket on the device unless it holds one tensor alone (buckets.py)."""
         if self.config.bucket_numel is None:
-            return [(params, tensors)]
+            return [(params, tensors, 0.0)]
         buckets = pack_buckets([params / tensors] * tensors, self.config.bucket_numel)
-        return [(sum(bucket), 1) for bucket in reversed(buckets)]
+        return [(sum(bucket), 1, sum(bucket) if len(bucket) > 1 else 0.0) for bucket in reversed(buckets)]
 
-    def hooks(self, params: float, copies: int, bucketed: bool) -> float:
-        """Seconds the gradient hooks add to the backward of `params` parameters: the host's time to issue `copies`
-        copies and, bucketed, the device-side gather of the gradients into their buckets."""
-        gather = 2 * params * self.work.model_bytes if bucketed else 0.0  # read and write, in the model's dtype
+    def copies_of(self, params: float, tensors: int) -> tuple[int, float]:
+        """The copies and the gathered parameters of `grad_copies`, summed over its pieces."""
+        pieces = self.grad_copies(params, tensors)
+        return sum(copies for _, copies, _ in pieces), sum(gathered for _, _, gathered in pieces)
+
+    def hooks(self, copies: int, gathered: float) -> float:
+        """Seconds the gradient hooks add to a piece of backward: the host's time to issue `copies` copies and the
+        device-side gather of `gathered` parameters' gradients into their buckets."""
+        gather = 2 * gathered * self.work.model_bytes  # read and write, in the model's dtype
         return copies * self.hw.copy_overhead + gather / self.hw.device_bandwidth
 
-    def backward_piece(self, params: float, copies: int, bucketed: bool) -> int:
+    def backward_piece(self, params: float, copies: int, gathered: float) -> int:
         """The backward of `params` parameters with its hooks (the gather is a host memcpy on a shared host)."""
         work, hw = self.work, self.hw
-        seconds = self.backward_s * params / work.num_params + self.hooks(params, copies, bucketed)
+        seconds = self.backward_s * params / work.num_params + self.hooks(copies, gathered)
         return self.plan.add("compute", "backward", seconds, [self.last_compute], stream="compute",
-                             host_bytes=2 * params * work.model_bytes if bucketed and hw.shared_host else 0.0)
+                             host_bytes=2 * gathered * work.model_bytes if hw.shared_host else 0.0)
 
     def forward_backward(self, after: int | None) -> tuple[int, dict[int, list[int]]]:
         """Forward, then backward in pieces, each piece's gradient reduced to its owner (ranks > 1) and copied out
@@ -149,11 +155,10 @@ class _Builder:
         self.last_compute = forward
         for index in reversed(range(len(groups))):  # backward produces the last layers' gradients first
             params, tensors = groups[index]
-            pieces = self.grad_copies(params, tensors) if index in on_cpu else [(params, 0)]
-            bucketed = index in on_cpu and self.config.bucket_numel is not None
+            pieces = self.grad_copies(params, tensors) if index in on_cpu else [(params, 0, 0.0)]
             done = []
-            for piece, piece_copies in pieces:
-                self.last_compute = self.backward_piece(piece, piece_copies, bucketed)
+            for piece, piece_copies, gathered in pieces:
+                self.last_compute = self.backward_piece(piece, piece_copies, gathered)
                 done.append(self.last_compute)
             if self.ranks > 1:  # the subgroup's gradient, reduced to its owner, leaves from there
                 kind = "reduce" if self.config.offload else "all_reduce"
@@ -162,7 +167,7 @@ class _Builder:
                     copies[0].append(done[0])
             if index in on_cpu:
                 owner = self.owners[index]
-                for (piece, piece_copies), ready in zip(pieces, done, strict=True):
+                for (piece, piece_copies, _), ready in zip(pieces, done, strict=True):
                     copies[owner].append(self.copy("d2h", piece * mb, piece_copies, "d2h grad", [ready], "d2h", owner))
                 self.arrived[index] = copies[owner][-1]
         return self.last_compute, copies
@@ -177,9 +182,9 @@ class _Builder:
         block, head = work.block_params, work.resident_params
         block_tensors = max(1, round(work.num_tensors * block / work.num_params))
         head_tensors = max(1, work.num_tensors - layers * block_tensors)
-        bucketed = self.config.bucket_numel is not None  # each block's gradients in buckets, counted per block
-        block_copies = sum(copies for _, copies in self.grad_copies(block, block_tensors))
-        head_copies = sum(copies for _, copies in self.grad_copies(head, head_tensors)) if head else 0
+        # each block's gradients in buckets, counted per block: copies, and the parameters gathered into buckets
+        block_copies, block_gathered = self.copies_of(block, block_tensors)
+        head_copies, head_gathered = self.copies_of(head, head_tensors) if head else (0, 0.0)
         visits = [*((False, i) for i in range(layers)), *((True, i) for i in reversed(range(layers)))]
         computes, copies, last = [], [], after
         for v, (backward, i) in enumerate(visits):
@@ -187,7 +192,7 @@ class _Builder:
                 last = plan.add("compute", "forward head", self.forward_s * head / work.num_params, [last],
                                 stream="compute")
                 last = plan.add("compute", "backward head", self.backward_s * head / work.num_params
-                                + self.hooks(head, head_copies, bucketed), [last], stream="compute")
+                                + self.hooks(head_copies, head_gathered), [last], stream="compute")
                 if head:
                     copies.append(self.copy("d2h", head * mb, head_copies, "d2h grad", [last], "d2h"))
             fetch = None
@@ -201,7 +206,7 @@ class _Builder:
                 fetch = self.copy("h2d", block * mb, block_tensors, f"fetch block {i}", deps, "param h2d")
             seconds = self.forward_s * block / work.num_params
             if backward:  # the host issues each gradient copy from its hook
-                seconds = self.backward_s * block / work.num_params + self.hooks(block, block_copies, bucketed)
+                seconds = self.backward_s * block / work.num_params + self.hooks(block_copies, block_gathered)
             last = plan.add("compute", f"{'backward' if backward else 'forward'} block {i}", seconds, [last, fetch],
                             stream="compute")
             computes.append(last)

@@ -290,7 +290,9 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard=None)
     Activations(model.blocks, names[0] if len(names) == 1 else names, dev)  # "keep": nothing changes
     params = list(model.parameters())
     if config.offload:
-        opt = OffloadAdam(params, dev, lr=config.lr, options=config.optimizer, swapper=swapper, streamer=streamer,
+        options = config.optimizer  # a speculative update starts during the step's last micro-batch
+        options = options.replace(backwards_per_step=config.grad_accum) if options.speculative else options
+        opt = OffloadAdam(params, dev, lr=config.lr, options=options, swapper=swapper, streamer=streamer,
                           shard=shard)
     else:
         if config.precision == "bf16":

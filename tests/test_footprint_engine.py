@@ -11,7 +11,8 @@ from minioffload.offload import OffloadAdam
 
 SHAPES = [(48, 40), (40,), (64, 48), (48,), (40, 64), (40,), (300,), (7, 9)]  # uneven, so packing matters
 OPTIONS = {"plain": {}, "delayed": {"delay_updates_after": 0}, "static split": {"gpu_fraction": 0.5},
-           "streamed split": {"stride": 2}, "nvme": {"nvme": True}}
+           "streamed split": {"stride": 2}, "nvme": {"nvme": True},
+           "speculative, buckets": {"speculative": True, "bucket_numel": 100}}
 
 
 def host_bytes(opt: OffloadAdam) -> int:
@@ -51,7 +52,9 @@ def test_engine_allocates_exactly_what_the_calculator_says(precision, option, tm
         dev.synchronize()
         predicted = memory.engine_bytes(
             [p.numel() for p in params], precision, 4000, delay="delay_updates_after" in options,
-            gpu_fraction=options.get("gpu_fraction"), stride=options.get("stride"), nvme=nvme)
+            gpu_fraction=options.get("gpu_fraction"), stride=options.get("stride"), nvme=nvme,
+            speculative=options.get("speculative", False),
+            scratch_sets=opt.device_path.sets if opt.device_path is not None else 3)
         assert len(opt.subgroups) > 2
         assert host_bytes(opt) == predicted["host"]
         # device: the weights (adopted) and whatever the hybrid path allocated; gradients are freed by now
@@ -71,3 +74,6 @@ def test_engine_bytes_per_param_is_the_footprints_for_a_large_model(precision):
     delayed = memory.engine_bytes(numels, precision, 1 << 22, delay=True)
     fp_delayed = memory.footprint(precision, "adam", "optimizer_cpu", delay=True)
     assert delayed["host"] == fp_delayed.bytes(sum(numels), "host")
+    speculative = memory.engine_bytes(numels, precision, 1 << 22, speculative=True)
+    fp_speculative = memory.footprint(precision, "adam", "optimizer_cpu", speculative=True)
+    assert speculative["host"] == fp_speculative.bytes(sum(numels), "host") == got["host"] + 12 * sum(numels)

@@ -65,7 +65,7 @@ def test_each_rank_moves_and_updates_its_own_shard(ranks):
     hw, config = profiles.preset("8xh100-sxm"), StepConfig(clip=True)
     one = stepmodel.predict(SEVEN_B, hw, config)
     many = stepmodel.predict(SEVEN_B, hw, dataclasses.replace(config, ranks=ranks))
-    groups = stepmodel._subgroups(SEVEN_B, config.subgroup_numel)
+    groups = SEVEN_B.subgroups(config.subgroup_numel)
     largest = max(params for params, _ in groups) * SEVEN_B.model_bytes * 2  # down and up
     assert len(many.rank_link_bytes) == ranks and sum(many.rank_link_bytes) == pytest.approx(one.link_bytes)
     for link in many.rank_link_bytes:

@@ -8,7 +8,8 @@ Versions with one signature, slowest first, each validated against `adam_ref` an
     adam_fused(...)     one Numba pass over the arrays, all threads, nothing temporary
     adam_fused_into(..., param_out, exp_avg_out, exp_avg_sq_out, *, grad_scale, ...)
                         the same pass writing its results elsewhere, the inputs left as they were (the engine's
-                        speculative update redoes from them)
+                        speculative update redoes from them); about 2x the in-place pass on our machines, since
+                        writing lines it has not read costs the CPU a read of each first
     adam_mixed(param, grad_lowp, exp_avg, exp_avg_sq, param_lowp_out, *, dtype="bf16", ...)
         the fused pass reading a bf16/fp16 gradient and also writing the updated weights as bf16/fp16
         into `param_lowp_out` (the buffer that goes back to the GPU): 28 bytes per parameter
@@ -212,10 +213,9 @@ def adam_fused(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float = 1e-3,
 @numba.njit(parallel=True, nogil=True, cache=True)
 def _fused_fp32_into(param, grad, exp_avg, exp_avg_sq, grad_scale, param_out, exp_avg_out, exp_avg_sq_out,
                      c0, c1, c2, c3, c4, c5, c6, c7, c8):
-    for i in prange(param.size):
-        g = grad[i] * grad_scale if grad_scale != 1 else grad[i]  # as grad.mul_(scale) rounds it, without writing
-        param_out[i], exp_avg_out[i], exp_avg_sq_out[i] = _update(param[i], g, exp_avg[i], exp_avg_sq[i],
-                                                                  c0, c1, c2, c3, c4, c5, c6, c7, c8)
+    for i in prange(param.size):  # grad * scale rounds as grad.mul_(scale) does; * 1 changes nothing
+        param_out[i], exp_avg_out[i], exp_avg_sq_out[i] = _update(param[i], grad[i] * grad_scale, exp_avg[i],
+                                                                  exp_avg_sq[i], c0, c1, c2, c3, c4, c5, c6, c7, c8)
 
 
 def adam_fused_into(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out, exp_avg_sq_out, *, grad_scale: float,
@@ -225,10 +225,11 @@ def adam_fused_into(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out, ex
     the inputs stay as they were. Bit for bit what `grad.mul_(grad_scale)` then `adam_fused` give in place."""
     _hyper(step, lr, beta1, beta2, eps, weight_decay)
     arrays = _arrays(param, grad, exp_avg, exp_avg_sq)
-    outs = _arrays(param_out, grad, exp_avg_out, exp_avg_sq_out)
-    if outs[0].size != arrays[0].size:
-        raise ValueError(f"the _out arrays have {outs[0].size} elements; param has {arrays[0].size}")
-    _fused_fp32_into(*arrays, np.float32(grad_scale), outs[0], outs[2], outs[3],
+    outs = [_array(x, name) for x, name in ((param_out, "param_out"), (exp_avg_out, "exp_avg_out"),
+                                            (exp_avg_sq_out, "exp_avg_sq_out"))]
+    if any(out.size != arrays[0].size for out in outs):
+        raise ValueError(f"the _out arrays have {[out.size for out in outs]} elements; param has {arrays[0].size}")
+    _fused_fp32_into(*arrays, np.float32(grad_scale), *outs,
                      *_constants(step, lr, beta1, beta2, eps, weight_decay, decoupled))
 
 

@@ -274,8 +274,8 @@ class PaddedStack(nn.Module):
     work each layer sleeps for its share of `forward_s` and `backward_s` (seconds for the whole stack), using no
     core. On the simulated device a real model's compute runs on the host's own cores and competes with the CPU
     update; this stand-in for a GPU's compute leaves them to the host, as on a server. Chapter 4's speculative
-    update and its benchmark need the two side by side. Each layer's sleep in backward comes after its weight's
-    gradient is ready, as a GPU's later kernels would.
+    update and its benchmark need the two side by side. In backward each layer sleeps first, then its weight's
+    gradient is made: ready when the layer's modelled time is over, as a GPU's would be.
 
         model = PaddedStack(width=1024, layers=10, forward_s=0.01, backward_s=0.02)   # ~10.5M parameters
         loss = model(torch.randn(4, 1024)).square().mean()
@@ -291,7 +291,7 @@ class PaddedStack(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         share = 1 / len(self.layers)
         for layer in self.layers:
-            x = torch.tanh(layer(_Sleep.apply(x, self.forward_s * share, self.backward_s * share)))
+            x = _Sleep.apply(torch.tanh(layer(x)), self.forward_s * share, self.backward_s * share)
         return x
 
 

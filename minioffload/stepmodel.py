@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import math
 
+from .hybrid_model import scratch_sets
 from .layout import STATE_BYTES_PER_PARAM, device_subgroups
 from .profiles import ADAM_BYTES_PER_PARAM, Hardware
 from .schedule import Plan, schedule
@@ -94,6 +95,7 @@ class _Builder:
         self.entry: dict[int, int] = {}  # each rank's last step()'s start: its gradients have arrived
         self.state_home = None  # hybrid: the last streamed state copied back to the host
         self.arrived: dict[int, int] = {}  # each offloaded subgroup's last gradient copy (this step's)
+        self.grads_made: dict[int, int] = {}  # each subgroup's end of backward (this step's)
         self.last_compute: int | None = None  # the last backward piece added
 
     def copy(self, direction: str, nbytes: float, copies: int, name: str, deps, stream: str, rank: int = 0) -> int:
@@ -160,6 +162,7 @@ class _Builder:
             for piece, piece_copies, gathered in pieces:
                 self.last_compute = self.backward_piece(piece, piece_copies, gathered)
                 done.append(self.last_compute)
+            self.grads_made[index] = done[-1]
             if self.ranks > 1:  # the subgroup's gradient, reduced to its owner, leaves from there
                 kind = "reduce" if self.config.offload else "all_reduce"
                 done = [self.collective(kind, params * mb, f"{kind.replace('_', '-')} grad", [done[-1]])] * len(done)
@@ -326,18 +329,25 @@ class _Builder:
         return {mine[0]: self.nvme_read(self.groups[mine[0]][0], [ready], rank)} if mine else {}
 
     def device_path(self, groups, ready: int, backward: int) -> int | None:
-        """Chapter 5's hybrid update: resident subgroups updated in place; streamed ones copied in, updated,
-        copied out, over two scratch sets."""
+        """Chapter 5's hybrid update: resident subgroups updated in place; streamed ones copied in, updated, copied
+        out, over `scratch_sets` scratch sets. As device_path.py queues it: the state of the first streamed
+        subgroups whose gradients exist (as many as there are sets) starts in during backward, and those are
+        updated first; the others follow in order, each waiting for a set to be free."""
         config, plan, hw = self.config, self.plan, self.hw
         resident, streamed = device_subgroups(len(groups), config.gpu_fraction, config.stride)
+        sets = scratch_sets(max(groups[i][0] for i in streamed), hw.link_h2d, hw.device_adam_rate,
+                            hw.link_latency) if streamed else 0
+        early = sorted(streamed, reverse=True)[:sets]  # backward makes the last subgroups' gradients first
+        order = [*early, *sorted(i for i in [*resident, *streamed] if i not in early)]
         freed, last = [], None
-        for i in sorted([*resident, *streamed]):
+        for i in order:
             params, _ = groups[i]
             deps = [ready, backward]
             if i in streamed:
                 state = params * STATE_BYTES_PER_PARAM
-                scratch_free = freed[-2] if len(freed) >= 2 else self.state_home  # two scratch sets
-                deps.append(self.copy("h2d", state, 3, "h2d state", [ready, scratch_free], "state h2d"))
+                scratch_free = freed[-sets] if len(freed) >= sets else self.state_home
+                came = self.grads_made.get(i, backward) if i in early else ready
+                deps.append(self.copy("h2d", state, 3, "h2d state", [came, scratch_free], "state h2d"))
             # device_path._adam: gather the gradients into the flat buffer, Adam, write the weights in place
             passes = DEVICE_PATH_BYTES + 2 * self.work.model_bytes
             seconds = params / hw.device_adam_rate + params * passes / hw.device_bandwidth

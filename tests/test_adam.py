@@ -162,3 +162,22 @@ def test_sum_of_squares_matches_float64_torch_and_refuses_other_tensors():
         sum_of_squares(x.double())
     with pytest.raises(ValueError, match="not contiguous"):
         sum_of_squares(x[::2])
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37, 2.0**-16])
+def test_the_out_of_place_pass_is_the_in_place_one_bit_for_bit_and_leaves_its_inputs(scale):
+    from minioffload.adam import adam_fused_into
+
+    g = torch.Generator().manual_seed(1)
+    param, grad, exp_avg, exp_avg_sq = (torch.randn(10_007, generator=g) for _ in range(4))
+    exp_avg_sq.abs_()
+    before = [t.clone() for t in (param, grad, exp_avg, exp_avg_sq)]
+    outs = [torch.full_like(param, float("nan")) for _ in range(3)]
+    adam_fused_into(param, grad, exp_avg, exp_avg_sq, *outs, grad_scale=scale, step=4, lr=1e-2, weight_decay=0.1)
+    in_place = [t.clone() for t in before]
+    in_place[1].mul_(scale)
+    adam.adam_fused(*in_place, step=4, lr=1e-2, weight_decay=0.1)
+    assert all(torch.equal(a, b) for a, b in zip(outs, [in_place[0], in_place[2], in_place[3]], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(before, (param, grad, exp_avg, exp_avg_sq), strict=True))
+    with pytest.raises(ValueError, match=r"_out arrays have \[3, 3, 3\] elements"):
+        adam_fused_into(param, grad, exp_avg, exp_avg_sq, *(torch.empty(3) for _ in range(3)), grad_scale=1.0, step=1)

@@ -11,6 +11,7 @@ from minioffload.models import (
     TEXTS,
     CharTokenizer,
     GPTConfig,
+    PaddedStack,
     batches,
     load_text,
     train_val_split,
@@ -225,3 +226,25 @@ def test_train_val_split():
     assert train.tolist() == list(range(90)) and val.tolist() == list(range(90, 100))
     with pytest.raises(ValueError, match="val_fraction"):
         train_val_split(list(range(100)), val_fraction=0.0)
+
+
+def test_a_padded_stack_computes_as_its_layers_do_and_refuses_negative_times():
+    import time
+
+    torch.manual_seed(0)
+    padded = PaddedStack(width=8, layers=3, forward_s=0.0, backward_s=0.0)
+    x = torch.randn(2, 8)
+    expected = x
+    for layer in padded.layers:
+        expected = torch.tanh(layer(expected))
+    assert torch.equal(padded(x), expected)
+    padded.forward_s, padded.backward_s = 0.03, 0.06
+    start = time.perf_counter()
+    loss = padded(x).square().sum()
+    forwarded = time.perf_counter()
+    loss.backward()
+    backwarded = time.perf_counter()
+    assert forwarded - start >= 0.03 and backwarded - forwarded >= 0.06  # sleeps last at least as asked
+    assert all(layer.weight.grad is not None for layer in padded.layers)
+    with pytest.raises(ValueError, match="seconds >= 0"):
+        PaddedStack(width=8, layers=1, backward_s=-1.0)

@@ -1,13 +1,18 @@
-"""Chapter 4's figure of one offloaded step: where its time goes, phase by phase, as stacked bars.
+"""Chapter 4's figures of the offloaded step: where its time goes (phase bars), when an overlap pays (speedups).
 
-Pure function: medians in, a matplotlib Figure out. `split` maps a run's label to {phase: seconds}; one bar per
-run, one segment per phase in the order given (a phase a run lacks draws as zero).
+Pure functions: numbers in, a matplotlib Figure out.
+    phase_bars      `split` maps a run's label to {phase: seconds}; one bar per run, one segment per phase in the
+                    order given (a phase a run lacks draws as zero)
+    speedup_curves  one line per way of running the step: its speedup over the synchronous step (the step model's
+                    prediction), against the ratio of forward + backward to the CPU update
 
-What this is not: a timeline (viz.timeline draws spans) nor a measurement (the notebook times the phases).
+What this is not: a timeline (viz.timeline draws spans), a measurement (the notebook times the phases) nor the step
+model (the notebook calls stepmodel.predict and passes the ratios in).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -15,6 +20,7 @@ from matplotlib.figure import Figure
 
 from .style import fallback_color
 
+CURVE_STYLES = (("#C44E52", "-"), ("#4C72B0", "--"), ("#8C8C8C", ":"), ("#55A868", "-."))  # colour, line, in order
 PHASE_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "cpu Adam": "#C44E52", "exposed copies": "#DD8452",
                 "other": "#BBBBBB", "torch AdamW": "#8172B3"}
 
@@ -37,6 +43,36 @@ def phase_bars(split: Mapping[str, Mapping[str, float]], phases: Sequence[str], 
     ax.set_xlabel("median time per step (ms)")
     ax.set_title(title, fontsize=10, loc="left")
     ax.legend(fontsize=8, ncol=len(phases), loc="upper center", bbox_to_anchor=(0.5, -0.35), frameon=False)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def speedup_curves(ratios: Sequence[float], speedups: Mapping[str, Sequence[float]], title: str,
+                   xlabel: str = "forward + backward / CPU update") -> Figure:
+    """Speedup over the synchronous step (y) against `ratios` (x, log scale, e.g. compute time over update time), one
+    line per entry of `speedups` (label -> one value per ratio); a gray line marks 1 (no gain) and one marks x = 1."""
+    ratios = list(ratios)
+    if not ratios or not speedups:
+        raise ValueError("speedup_curves needs ratios and at least one curve: {label: [speedup per ratio]}")
+    if any(not (r > 0 and math.isfinite(r)) for r in ratios):
+        raise ValueError(f"speedup_curves: every ratio must be a positive number (log x axis), got {ratios}")
+    for label, values in speedups.items():
+        if len(values) != len(ratios):
+            raise ValueError(f"speedup_curves: {label!r} has {len(values)} values for {len(ratios)} ratios; "
+                             "give one speedup per ratio")
+    fig, ax = plt.subplots(figsize=(7.2, 3.4))
+    ax.axhline(1.0, color="#BBBBBB", linewidth=0.8)
+    ax.axvline(1.0, color="#BBBBBB", linewidth=0.8, linestyle=":")
+    for index, (label, values) in enumerate(speedups.items()):
+        color, line = CURVE_STYLES[index % len(CURVE_STYLES)]
+        ax.plot(ratios, list(values), linestyle=line, marker="o", markersize=3, color=color, label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("speedup over synchronous")
+    ax.set_title(title, fontsize=10, loc="left")
+    ax.legend(fontsize=8, frameon=False)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     fig.tight_layout()

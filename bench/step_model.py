@@ -66,8 +66,8 @@ def config_of(options, model_mfu: float) -> stepmodel.StepConfig:
         clip=options.get("max_grad_norm") is not None, mfu=model_mfu)
 
 
-def make_run(options, link_gbps: float, dtype: torch.dtype, scratch: Path):
-    """One training step as a function, its device and its workload."""
+def make_run(options, link_gbps: float, dtype: torch.dtype, scratch: Path, swappers: list):
+    """One training step as a function, its device and its workload; a Swapper it makes joins `swappers`."""
     text = models.load_text()
     tokenizer = models.CharTokenizer(text)
     data = torch.tensor(tokenizer.encode(text))
@@ -85,6 +85,7 @@ def make_run(options, link_gbps: float, dtype: torch.dtype, scratch: Path):
         if options.pop("nvme", False):
             (scratch / "swap").mkdir()
             swapper = Swapper(scratch / "swap")
+            swappers.append(swapper)
         opt = OffloadAdam(model.parameters(), dev, lr=1e-3, swapper=swapper, **options)
     generator = torch.Generator().manual_seed(0)
 
@@ -115,14 +116,16 @@ def one_run(rounds: int) -> tuple[list[dict], dict, profiles.Hardware, stepmodel
     """Probe this machine, time every configuration (interleaved), predict each: rows and headline of one run."""
     profiles.probe.cache_clear()  # each run measures its own figures
     hw = profiles.probe()
-    runs, devices, works = {}, [], {}
+    runs, devices, works, swappers = {}, [], {}, []
     with tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parents[1] / ".cache") as scratch:
         for name, (options, gbps, dtype) in SETUPS.items():
-            runs[name], dev, works[name] = make_run(options, gbps, dtype, Path(scratch))
+            runs[name], dev, works[name] = make_run(options, gbps, dtype, Path(scratch), swappers)
             devices.append(dev)
         results = interleaved(runs, rounds, warmup=2)
         for dev in devices:
             dev.close()
+        for swapper in swappers:  # its writes land before the directory goes
+            swapper.close()
     measured = {name: statistics.median(m["wall_s"] for m in rows) for name, rows in results.items()}
     mfu = {}  # per model dtype: the share of peak FLOP/s forward + backward reach here
     for name in ("compute only", "compute only, bf16"):

@@ -13,7 +13,10 @@ The flow of one step (every arrow a span in `dev.trace`):
   stream while the CPU updates the next subgroup -> the next forward waits for the last copy, not earlier.
 
 Parameters are packed into subgroups of about `subgroup_numel` elements: one flat pinned buffer each for
-the fp32 master weights, exp_avg, exp_avg_sq and gradient, so the CPU Adam runs one call per subgroup.
+the fp32 master weights, exp_avg, exp_avg_sq and gradient, so the CPU Adam runs one call per subgroup. On the
+device a subgroup's parameters become views of one flat tensor, so its new weights go up in one copy. With
+`bucket_numel` (buckets.py) gradients leave in buckets of consecutive parameters, one copy each, instead of one
+copy per tensor.
 Gradients accumulate on the host across micro-batches (each backward's gradient is offloaded and added
 in fp32), so accumulation never holds a device gradient between backward passes.
 
@@ -31,6 +34,10 @@ With `delay_updates_after=n`, steps after the first n run ZeRO-Offload's one-ste
 next forward and backward; its weights are sent at the following step(). The price is staleness: the
 gradient of iteration t is computed on the weights of update t-2, not t-1. Call `flush()` at the end of
 training to send the last update's weights.
+
+With `speculative=True` (offload_speculative.py) each subgroup's CPU Adam starts during backward, as soon as its
+last gradient has arrived, out of place; step() keeps it when clipping, an overflow or a changed setting did not
+change what the synchronous step computes, and redoes it otherwise: the same weights, bit for bit, sooner.
 
 With `gpu_fraction` or `stride` (chapter 5, hybrid.py) some subgroups are updated on the device instead:
 their gradients stay there, their state either lives there (`gpu_fraction`) or is copied in and out
@@ -477,11 +484,11 @@ class OffloadAdam(ShardedSteps, SpeculativeSteps, torch.optim.Optimizer):
             if self.streamer is not None:
                 self.streamer.quiesce()  # no copy up is reading a home
         given = {id(s) for s in slots}
-        whole = [sub for sub in dict.fromkeys(s.subgroup for s in slots)
-                 if sub.weights is not None and (whole or all(id(s) in given for s in sub.slots))]
-        for sub in whole:  # one copy each: the parameters are views of one flat piece of device memory
+        flat = [sub for sub in dict.fromkeys(s.subgroup for s in slots)
+                if sub.weights is not None and (whole or all(id(s) in given for s in sub.slots))]
+        for sub in flat:  # one copy each: the parameters are views of one flat piece of device memory
             self._send_weights(sub, sub.buffers["master"], wait_for_compute=False)
-        sent = {id(sub) for sub in whole}
+        sent = {id(sub) for sub in flat}
         for slot in slots:
             if id(slot.subgroup) in sent:
                 continue

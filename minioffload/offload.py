@@ -57,8 +57,6 @@ updates are refused with a shard (not built for it).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import layout, optimizer_state
@@ -66,19 +64,19 @@ from .adam import adam_fused
 from .buckets import make_buckets
 from .delayed import DelayedUpdate
 from .device_path import DevicePath
-from .gradnorm import sum_of_squares
 from .layout import STATE, Slot, Subgroup, Where
-from .ledger import OutOfMemoryError
 from .nvme_tier import NvmeTier
+from .offload_grads import GradientPath
 from .offload_sharded import ShardedSteps
 from .offload_speculative import SpeculativeSteps
+from .offload_weights import WeightUploads
 from .options import OffloadOptions
 from .sharding import WeightGather
 
 HYPER = ("lr", "betas", "eps", "weight_decay")  # what each param group gives the update
 
 
-class OffloadAdam(ShardedSteps, SpeculativeSteps, torch.optim.Optimizer):
+class OffloadAdam(GradientPath, WeightUploads, ShardedSteps, SpeculativeSteps, torch.optim.Optimizer):
     """AdamW whose state lives in pinned host memory and whose update runs on the CPU.
 
     `dev` is a minioffload device (device.py) holding the model's parameters (`dev.place(model)`). lr, betas,
@@ -188,24 +186,6 @@ class OffloadAdam(ShardedSteps, SpeculativeSteps, torch.optim.Optimizer):
             for sub in self._on_cpu():
                 self.nvme.store(sub, lambda views, sub=sub: self._initial_state(sub, views))
 
-    def _flatten_weights(self, sub: Subgroup) -> None:
-        """Give the subgroup's parameters one flat piece of device memory (their views), so its new weights go up
-        in one copy. Left as they are when they mix dtypes or some are streamed (those go up one by one). Costs one
-        subgroup of device memory for a moment (without it, the subgroup is left as it is): its old memory is freed once
-        the flat one holds the values."""
-        dtypes = {s.param.dtype for s in sub.slots}
-        if len(dtypes) > 1 or self.shard is not None or any(self._streamed(s) for s in sub.slots):
-            return
-        try:
-            sub.weights = self.dev.empty(sub.numel, dtypes.pop(), name="param")
-        except OutOfMemoryError:  # no room for the moment's extra subgroup: its weights go up tensor by tensor
-            return
-        for slot in sub.slots:
-            view = slot.shaped(sub.weights)
-            view.copy_(slot.param.detach())
-            self.dev.memory.forget(slot.param)  # counted once: the old memory goes when nothing holds it
-            slot.param.data = view  # the model's modules hold the same Parameter, now a view of the flat memory
-
     def _share_homes(self) -> None:
         """An fp32 streamed weight needs no copy of its own at home: the master is it (Tiny-Pipe's point)."""
         if self.streamer is None or self.nvme is not None or self.shard is not None:
@@ -242,53 +222,6 @@ class OffloadAdam(ShardedSteps, SpeculativeSteps, torch.optim.Optimizer):
 
     def _on_cpu(self) -> list[Subgroup]:
         return [sub for sub in self.subgroups if sub.where == Where.CPU and self._mine(sub)]
-
-    # backward: gradients leave the device as soon as they are ready ----------------------------
-    def _offload_grad(self, param: torch.nn.Parameter) -> None:
-        slot = self._slots[param]
-        if self.shard is not None:
-            return self._gather_grad(slot)
-        if slot.subgroup.where != Where.CPU:  # updated on the device: the gradient stays (torch accumulates)
-            self.dev.adopt(param.grad, "grad")
-            slot.has_grad = True
-            if all(s.has_grad for s in slot.subgroup.slots):
-                self.device_path.prefetch(slot.subgroup)  # a streamed subgroup's state starts in, during backward
-            return
-        bucket = slot.bucket
-        if bucket is None or not bucket.arrived:
-            self._add_pending(slot)  # a previous micro-batch's copy must be added in before its staging is reused
-        grad, param.grad = param.grad.contiguous(), None  # the device gradient goes once its copy is done
-        self.dev.adopt(grad, "grad")  # autograd made it on the device: count it there until it is freed
-        slot.has_grad = True
-        if bucket is not None:  # into the bucket's device memory; the bucket leaves in one copy once full
-            if bucket.take(slot, grad, self.dev):
-                bucket.send(self.dev, self.d2h, slot.subgroup.staging["staging", bucket.dtype])
-            return self._arrived(slot.subgroup, slot)
-        staging = self._staging(slot)
-        self.dev.stream_waits_for_compute(self.d2h)
-        self.dev.copy(staging, grad, self.d2h, name="d2h grad")
-        self.dev.keep_alive(grad, self.d2h)  # its memory is not reused before the copy has read it
-        done = self.dev.event()
-        done.record(self.d2h)
-        slot.pending.append((done, staging))
-        self._arrived(slot.subgroup, slot)
-
-    def _add_pending(self, slot: Slot) -> None:
-        """Add the slot's copied gradients (its bucket's, with buckets) into the subgroup's fp32 gradient."""
-        holder = slot if slot.bucket is None else slot.bucket
-        if holder.pending:
-            self._join_update()  # the delayed update may still be reading the gradient buffer
-        for done, staging in holder.pending:
-            done.synchronize()  # never read an in-flight copy
-            holder.view(slot.subgroup.buffers["grad"]).add_(staging.reshape(-1).float())
-        holder.pending.clear()
-
-    def _send_partial_buckets(self) -> None:
-        """Buckets some of whose parameters got no gradient in the last backward leave now (zeros for those)."""
-        for sub in self.subgroups:
-            for bucket in sub.buckets:
-                if bucket.arrived:
-                    bucket.send(self.dev, self.d2h, sub.staging["staging", bucket.dtype])
 
     # step ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -413,43 +346,6 @@ class OffloadAdam(ShardedSteps, SpeculativeSteps, torch.optim.Optimizer):
         self._send_delayed_weights()
         self._next_forward_waits()
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to call backward on: multiplied by the loss scale (1.0 unless loss scaling is on)."""
-        return loss * self.scale if self.scale != 1.0 else loss
-
-    def _device_grads(self) -> list[torch.Tensor]:
-        """The gradients that stay on the device: kept small parameters, and subgroups updated there."""
-        params = [*self.kept, *(slot.param for slot in self._slots.values() if slot.subgroup.where != Where.CPU)]
-        return [p.grad for p in params if p.grad is not None]
-
-    def _grads_finite(self) -> bool:
-        """One flag from every subgroup: is any gradient inf or NaN? (Only checked with loss scaling on.)"""
-        if self.scale == 1.0 and not self.dynamic:
-            return True
-        specs = self._speculations  # a speculative update checked its subgroup already
-        finite = all(specs[id(sub)].finite if id(sub) in specs else bool(torch.isfinite(sub.buffers["grad"]).all())
-                     for sub in self._on_cpu())
-        finite = finite and all(bool(torch.isfinite(grad).all()) for grad in self._device_grads())
-        return finite if self.shard is None else self.shard.all_true(finite)  # sharded: skip on every rank or none
-
-    def _clip_coefficient(self) -> float:
-        """What multiplies every gradient before the update: 1/scale, times the clip factor computed from the
-        global L2 norm (per-subgroup partial sums, one combine) as clip_grad_norm_ does."""
-        if self.options.max_grad_norm is None:  # no clipping: skip a pass over every gradient
-            self.last_grad_norm = None
-            return 1.0 / (self.scale * (self.shard.world if self.shard is not None else 1))
-        if self.shard is None:  # one pass, no temporaries; a speculative update took its subgroup's part already
-            specs = self._speculations
-            squares = sum(specs[id(sub)].squares if id(sub) in specs else sum_of_squares(sub.buffers["grad"])
-                          for sub in self._on_cpu())
-        else:  # the owners' partial sums, added in the same order as one process adds them
-            squares = self.shard.sum_in_order({self._index[id(sub)]: sum_of_squares(sub.buffers["grad"])
-                                               for sub in self._on_cpu()}, len(self.subgroups))
-        squares += sum(float(grad.double().square().sum()) for grad in self._device_grads())
-        divide = self.scale * (self.shard.world if self.shard is not None else 1)  # ranks' sum -> their mean
-        self.last_grad_norm = math.sqrt(squares) / divide
-        return min(1.0, self.options.max_grad_norm / (self.last_grad_norm + 1e-6)) / divide
-
     def _update(self, sub: Subgroup, coef: float, slots: list[Slot], hyper: dict) -> None:
         """CPU Adam on the subgroup's `slots` (those that got a gradient), with `hyper`: group id -> lr etc."""
         buffers = sub.buffers
@@ -475,44 +371,6 @@ class OffloadAdam(ShardedSteps, SpeculativeSteps, torch.optim.Optimizer):
             inner.update({k: outer[k] for k in HYPER})  # follow LR schedules
         with self.dev.trace.span("compute", "adam (kept on device)"):
             self._device_opt.step()
-
-    def _upload(self, slots: list[Slot], whole: bool = False) -> None:
-        """The new weights of `slots` up to the device: a flat subgroup in one copy when all its slots are given, or
-        with `whole` (the step's update: a parameter without a gradient still holds its master, rounded)."""
-        if slots:
-            self.dev.stream_waits_for_compute(self.h2d)  # never overwrite weights that queued compute still reads
-            if self.streamer is not None:
-                self.streamer.quiesce()  # no copy up is reading a home
-        given = {id(s) for s in slots}
-        flat = [sub for sub in dict.fromkeys(s.subgroup for s in slots)
-                if sub.weights is not None and (whole or all(id(s) in given for s in sub.slots))]
-        for sub in flat:  # one copy each: the parameters are views of one flat piece of device memory
-            self._send_weights(sub, sub.buffers["master"], wait_for_compute=False)
-        sent = {id(sub) for sub in flat}
-        for slot in slots:
-            if id(slot.subgroup) in sent:
-                continue
-            master = self._master(slot)
-            if self._streamed(slot):  # its home takes the new weights; the next fetch brings them up
-                self.streamer.set_weights(slot.param, master)
-                continue
-            if slot.param.dtype == torch.float32:
-                source = master
-            else:
-                source = self._staging(slot)
-                source.copy_(master)  # round to the model's dtype (nearest even), on the CPU
-            self.dev.copy(slot.param.data, source, self.h2d, name="h2d weights")
-
-    def _send_weights(self, sub: Subgroup, master: torch.Tensor, wait_for_compute: bool = True) -> None:
-        """A flat subgroup's weights from `master` (its fp32 master, or a speculated one) up in one copy, rounded
-        to the model's dtype in its staging first when that is not fp32."""
-        if wait_for_compute:
-            self.dev.stream_waits_for_compute(self.h2d)
-        source = master
-        if sub.weights.dtype != torch.float32:
-            source = sub.staging["staging", sub.weights.dtype]
-            source.copy_(master)  # round to nearest even, on the CPU
-        self.dev.copy(sub.weights, source, self.h2d, name="h2d weights")
 
     def master_weights(self) -> list[torch.Tensor]:
         """The fp32 master copy of each trainable parameter, in the order the optimizer holds them."""

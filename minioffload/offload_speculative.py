@@ -158,6 +158,7 @@ class SpeculativeSteps:
                 self.speculation["taken back"] += 1
         self._uploaded = self.dev.event()
         self._uploaded.record(self.h2d)
+        self._next_forward_waits()  # the next forward reads the weights taken back, not the speculated ones
         self._end_speculation()
 
     def _end_speculation(self) -> None:

@@ -69,12 +69,15 @@ class WeightUploads:
             self.dev.copy(slot.param.data, source, self.h2d, name="h2d weights")
 
     def _send_weights(self, sub: Subgroup, master: torch.Tensor, wait_for_compute: bool = True) -> None:
-        """A flat subgroup's weights from `master` (its fp32 master, or a speculated one) up in one copy, rounded
-        to the model's dtype in its staging first when that is not fp32."""
+        """A subgroup's weights from `master` (its fp32 master, or a speculated one) up: a flat one in one copy,
+        others tensor by tensor; rounded to the model's dtype in its staging first when that is not fp32."""
         if wait_for_compute:
             self.dev.stream_waits_for_compute(self.h2d)
-        source = master
-        if sub.weights.dtype != torch.float32:
-            source = sub.staging["staging", sub.weights.dtype]
-            source.copy_(master)  # round to nearest even, on the CPU
-        self.dev.copy(sub.weights, source, self.h2d, name="h2d weights")
+        pieces = [(sub.weights, master, slice(0, sub.numel))] if sub.weights is not None else [
+            (slot.param.data, slot.shaped(master), slice(slot.offset, slot.offset + slot.numel)) for slot in sub.slots]
+        for weights, source, span in pieces:
+            if weights.dtype != torch.float32:
+                staging = sub.staging["staging", weights.dtype][span].view(weights.shape)
+                staging.copy_(source)  # round to nearest even, on the CPU
+                source = staging
+            self.dev.copy(weights, source, self.h2d, name="h2d weights")

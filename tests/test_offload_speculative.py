@@ -94,6 +94,41 @@ def test_parameters_that_sometimes_get_no_gradient_and_kept_ones_change_nothing(
         assert same(reference, run(options, use_side=sometimes, min_offload_numel=20, max_grad_norm=0.5)[0])
 
 
+class Mixed(torch.nn.Module):
+    """A bf16 layer and an fp32 gain: one subgroup of two dtypes, which cannot be one flat device tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 8).to(torch.bfloat16)
+        self.gain = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return (self.layer(x).float() * self.gain).square().mean()
+
+
+def test_a_subgroup_of_mixed_dtypes_goes_up_tensor_by_tensor_and_still_matches():
+    def mixed(options):
+        torch.manual_seed(0)
+        with device("sim") as dev:
+            model = on_sim(Mixed(), dev)
+            opt = OffloadAdam(model.parameters(), dev, subgroup_numel=1 << 20, max_grad_norm=0.05, **options, **HYPER)
+            assert len(opt.subgroups) == 1 and opt.subgroups[0].weights is None
+            inputs = torch.randn(16, 4, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+            for step in range(4):
+                model(inputs[step]).backward()
+                opt.step()
+                opt.zero_grad()
+            model(inputs[9]).backward()
+            opt.zero_grad()  # a speculation taken back, tensor by tensor
+            dev.synchronize()
+            return [p.detach().clone() for p in model.parameters()], opt.updates
+
+    reference = mixed(PLAIN)
+    for options in VARIANTS.values():
+        weights = mixed(options)
+        assert same(reference[0], weights[0]) and reference[1] == weights[1]
+
+
 def test_a_jittered_device_never_changes_the_result():
     reference, _, _ = run(PLAIN)
     for options in VARIANTS.values():

@@ -134,6 +134,7 @@ class AsyncCheckpointer:
         path.mkdir(parents=True)
         layout = []
         with Swapper(path, workers=self.workers) as swapper:
+            swapper.trace = opt.dev.trace  # its writes show on the nvme_write lane, beside the next step's work
             writes = []
             for index, sub in enumerate(opt.subgroups):
                 layout.append({"subgroup": index, "numel": sub.numel,

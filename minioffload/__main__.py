@@ -166,6 +166,9 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
                     help="under torchrun: shard the optimizer state over the ranks (gloo on the sim, NCCL on CUDA)")
     tr.add_argument("--checkpoint-dir", default=d.checkpoint_dir, metavar="DIR",
                     help="save the run here at its end (torch.distributed.checkpoint: every rank writes its part)")
+    tr.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="N",
+                    help="with --checkpoint-dir: a lazy asynchronous checkpoint every N steps (chapter 11), written "
+                         "while training goes on")
     tr.add_argument("--resume", default=d.resume, metavar="DIR",
                     help="continue a run saved with --checkpoint-dir, on any number of ranks")
     tr.add_argument("--plan", default=None, metavar="FILE",

@@ -157,18 +157,18 @@ class AsyncCheckpointer:
         return time.perf_counter() - started
 
     def _prune(self) -> None:
-        complete = sorted(_complete(self.directory))
-        for old in complete[:-self.keep]:
+        done = sorted(complete(self.directory))
+        for old in done[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
 
 def load_latest(directory, model: torch.nn.Module, opt) -> tuple[int, dict]:
     """Load the newest complete checkpoint under `directory` into `model` and `opt` (built as when it was saved);
     returns (step, extra). FileNotFoundError when there is none."""
-    complete = sorted(_complete(Path(directory)))
-    if not complete:
+    done = sorted(complete(Path(directory)))
+    if not done:
         raise FileNotFoundError(f"no complete checkpoint (a step directory with {MANIFEST}) under {directory}")
-    return load(complete[-1], model, opt)
+    return load(done[-1], model, opt)
 
 
 def load(path, model: torch.nn.Module, opt) -> tuple[int, dict]:
@@ -242,7 +242,8 @@ def _link_or_copy(source: Swapper, source_key: str, target: Swapper, key: str) -
     target._commit(key, entry)
 
 
-def _complete(directory: Path) -> list[Path]:
+def complete(directory: Path) -> list[Path]:
+    """The step directories under `directory` that hold a committed manifest."""
     return [p for p in directory.glob("step*") if (p / MANIFEST).exists()] if directory.exists() else []
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, sharding
+from . import checkpoint, checkpoint_async, sharding
 from .activations import POLICIES, Activations
 from .device import device as make_device
 from .device_sim import SimDevice
@@ -90,7 +90,8 @@ class TrainConfig:
     seed: int = 0
     shard: bool = False  # shard the optimizer state over torchrun's ranks (chapter 10); needs offload
     checkpoint_dir: str | None = None  # save the run here at its end (torch.distributed.checkpoint)
-    resume: str | None = None  # continue a run saved in this checkpoint directory
+    checkpoint_every: int | None = None  # with checkpoint_dir: a lazy async checkpoint every N steps instead
+    resume: str | None = None  # continue a run saved in this checkpoint directory (either kind)
     out_dir: str | None = None  # None: runs/<timestamp>
     eval_every: int = 100  # steps between validation losses (the last step is always evaluated)
     progress: bool = True  # show a progress bar (when tqdm is installed)
@@ -131,6 +132,13 @@ class TrainConfig:
         if self.params_on != "device" and (self.optimizer.delayed or self.optimizer.hybrid):
             raise ValueError(f"TrainConfig.params_on={self.params_on!r} updates the streamed weights on the CPU: "
                              "delay_updates_after, gpu_fraction and stride need them on the device")
+        if self.checkpoint_every is not None:
+            if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
+                    or self.checkpoint_every < 1:
+                raise ValueError(f"TrainConfig.checkpoint_every must be a positive int, got {self.checkpoint_every!r}")
+            if self.checkpoint_dir is None or self.shard or not self.offload:
+                raise ValueError("TrainConfig.checkpoint_every writes lazy asynchronous checkpoints of one process's "
+                                 "OffloadAdam into checkpoint_dir: give checkpoint_dir, offload=True and no shard")
         if self.shard and (self.optimizer.delayed or self.optimizer.hybrid):
             raise ValueError("TrainConfig.shard runs the synchronous CPU update: leave delay_updates_after, "
                              "gpu_fraction and stride unset")
@@ -232,9 +240,10 @@ def preflight(config: TrainConfig) -> tuple[Path, CharTokenizer, torch.Tensor, t
 def train(config: TrainConfig) -> TrainResult:
     """Train a GPT as `config` says; write trace.json, loss.csv and summary.json into its out_dir."""
     out_dir, tok, train_tokens, val_tokens = preflight(config)
-    if config.resume is not None and not (Path(config.resume) / ".metadata").is_file():
-        raise ValueError(f"TrainConfig.resume={config.resume!r} holds no checkpoint (no .metadata): give a "
-                         "directory a run saved with checkpoint_dir")
+    lazy = config.resume is not None and bool(checkpoint_async.complete(Path(config.resume)))
+    if config.resume is not None and not lazy and not (Path(config.resume) / ".metadata").is_file():
+        raise ValueError(f"TrainConfig.resume={config.resume!r} holds no checkpoint (no .metadata, no step "
+                         "directory with a MANIFEST.json): give a directory a run saved with checkpoint_dir")
     shard = _join(config)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
@@ -306,7 +315,10 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard=None)
     tokens_per_step = config.batch_size * config.block_size * config.grad_accum * world
     first_step = 1
     if config.resume is not None:
-        extra = checkpoint.load(config.resume, model, opt)
+        if checkpoint_async.complete(Path(config.resume)):  # lazy async checkpoints: the newest complete one
+            extra = checkpoint_async.load_latest(config.resume, model, opt)[1]
+        else:
+            extra = checkpoint.load(config.resume, model, opt)
         first_step = extra["step"] + 1
         if first_step > config.steps:
             raise ValueError(f"TrainConfig.resume: the checkpoint is at step {extra['step']}; set steps above it "
@@ -320,6 +332,9 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard=None)
     state_adopted = False
     bar = _progress_bar(config.steps, f"train {config.model} ({dev.kind}{f', {world} ranks' if shard else ''})",
                         config.progress and rank == 0, first_step)
+    lazy_writer = None
+    if config.checkpoint_every is not None:
+        lazy_writer = checkpoint_async.AsyncCheckpointer(config.checkpoint_dir, model, opt)
     dev.synchronize()
     for step in bar:
         first_span, start = len(dev.trace.spans), dev.trace.now()
@@ -350,6 +365,8 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard=None)
                             dev.adopt(t, "optimizer state")
                 state_adopted = True
         opt.zero_grad(set_to_none=True)
+        if lazy_writer is not None and (step % config.checkpoint_every == 0 or step == config.steps):
+            lazy_writer.save(step, extra={"step": step, "data_rng": bytes(data_gen.get_state().tolist())})
         if shard is not None:
             step_loss = shard.mean(step_loss)
         if step == config.steps and isinstance(opt, OffloadAdam):
@@ -367,7 +384,9 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard=None)
                         **({"val": f"{val:.3f}"} if val is not None else {}))
     bar.close()
 
-    if config.checkpoint_dir is not None:
+    if lazy_writer is not None:
+        lazy_writer.close()  # the last one is complete
+    elif config.checkpoint_dir is not None:
         checkpoint.save(config.checkpoint_dir, model, opt,
                         extra={"step": config.steps, "data_rng": bytes(data_gen.get_state().tolist())})
     summary = summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_per_step, streamer, shard)

@@ -170,3 +170,18 @@ def test_streamed_weights_train_the_same_losses_from_the_command_line(tmp_path, 
 def test_bad_streaming_settings_are_refused(fields, words):
     with pytest.raises(ValueError, match=words):
         TrainConfig(**fields)
+
+
+def test_lazy_async_checkpoints_resume_the_run_exactly(tmp_path):
+    from minioffload import checkpoint_async
+
+    base = dict(model="tiny", steps=6, batch_size=4, block_size=32, eval_every=100, progress=False)
+    straight = train(TrainConfig(**base, out_dir=str(tmp_path / "straight")))
+    first = TrainConfig(**{**base, "steps": 4}, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2,
+                        out_dir=str(tmp_path / "first"))
+    train(first)
+    assert [p.name for p in sorted(checkpoint_async.complete(tmp_path / "ckpt"))] == ["step00000002", "step00000004"]
+    resumed = train(TrainConfig(**base, resume=str(tmp_path / "ckpt"), out_dir=str(tmp_path / "resumed")))
+    assert resumed.losses == straight.losses[4:]
+    with pytest.raises(ValueError, match="checkpoint_every writes lazy asynchronous checkpoints"):
+        TrainConfig(**base, checkpoint_every=2)

@@ -18,6 +18,14 @@ tensor carries an xxHash (XXH3-64) of its bytes, checked on every read unless `v
 many GB/s on one core, so it costs little next to the disk, where a CRC32 from zlib (~1 GB/s) would be
 the bottleneck; a cryptographic hash would buy nothing against disk corruption.
 
+Hard links: a checkpoint may hard-link a key's current slot file instead of copying it. A write never rewrites
+a file that has another link: it unlinks its own name first and writes a new file, so the linked copy keeps its bytes.
+
+A slower path on one drive: `max_bandwidth` (bytes/s) throttles a swapper in software. Each read and write then
+takes at least nbytes / max_bandwidth, reads and writes sharing one link as they would share a remote tier's wire;
+the wait is a sleep, which releases the GIL. This is how the course models a second, slower path (multi-path NVMe,
+nvme_paths.py) on a machine with one drive.
+
 What this is not: a cache (every read goes to the file), or a file format for sharing checkpoints.
 """
 
@@ -72,14 +80,20 @@ def checksum(tensor: torch.Tensor) -> str:
 
 class Swapper:
     """Asynchronous, durable tensor storage in one directory. `block_size`: bytes per system call (a multiple
-    of 4096); `workers`: threads issuing them; `direct`: try O_DIRECT; `verify`: check checksums on read."""
+    of 4096); `workers`: threads issuing them; `direct`: try O_DIRECT; `verify`: check checksums on read;
+    `max_bandwidth`: bytes/s (None: unthrottled), a software throttle: each read or write takes at least
+    nbytes / max_bandwidth (see the module docstring)."""
 
     def __init__(self, directory: str | Path, block_size: int = 1 << 20, workers: int = 4, direct: bool = True,
-                 verify: bool = True):
+                 verify: bool = True, max_bandwidth: float | None = None):
         if block_size < ALIGNMENT or block_size % ALIGNMENT:
             raise ValueError(f"block_size must be a positive multiple of {ALIGNMENT} bytes, got {block_size}")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+        if max_bandwidth is not None and (isinstance(max_bandwidth, bool) or not isinstance(max_bandwidth, (int, float))
+                                          or not 0 < max_bandwidth < float("inf")):
+            raise ValueError(f"max_bandwidth must be a positive number of bytes/s, or None for no throttle; got "
+                             f"{max_bandwidth!r}")
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise FileNotFoundError(f"swap directory {self.directory} does not exist: create it first "
@@ -87,7 +101,8 @@ class Swapper:
         if not os.access(self.directory, os.W_OK | os.X_OK):
             raise PermissionError(f"swap directory {self.directory} is not writable by this user: choose another "
                                   "or change its permissions")
-        self.block_size, self.workers, self.verify = block_size, workers, verify
+        self.block_size, self.workers, self.verify, self.max_bandwidth = block_size, workers, verify, max_bandwidth
+        self._link_free = 0.0  # throttled: when the modelled link finishes the operations already started
         self.direct = direct and self._direct_works()
         self._pool = ThreadPoolExecutor(workers, "swap-io")
         # after the blocks: a write's fsync and index commit (in order), a read's checksum; apart, so that a read
@@ -174,6 +189,8 @@ class Swapper:
             path = self._file(key, slot)
             started = time.perf_counter()
             try:
+                if path.exists() and path.stat().st_nlink > 1:  # a checkpoint links it: leave that copy alone
+                    path.unlink()
                 fd = self._open(path, os.O_WRONLY | os.O_CREAT)
             except OSError as err:
                 result.set_exception(self._error("open for writing", path, key, err))
@@ -185,6 +202,7 @@ class Swapper:
                 self._release(key, slot)
                 result.set_exception(self._error("allocate", path, key, err))
                 return
+            done_at = self._reserve(nbytes)
             jobs = [self._pool.submit(self._write_range, fd, tensor, nbytes, lo, hi)
                     for lo, hi in self._ranges(nbytes)]
 
@@ -198,6 +216,7 @@ class Swapper:
                     entry = {"slot": slot, "nbytes": nbytes, "dtype": str(tensor.dtype),
                              "shape": list(tensor.shape), "checksum": digest}
                     self._commit(key, entry)
+                    self._hold_until(done_at)
                     self._span("nvme_write", key, started, nbytes)
                     result.set_result(None)
                 except OSError as err:
@@ -297,6 +316,7 @@ class Swapper:
             except OSError as err:
                 result.set_exception(self._error("open for reading", path, key, err))
                 return
+            done_at = self._reserve(nbytes)
             jobs = [self._pool.submit(self._read_range, fd, into, nbytes, lo, hi) for lo, hi in self._ranges(nbytes)]
 
             def finish() -> None:
@@ -307,6 +327,7 @@ class Swapper:
                     if self.verify and checksum(into) != entry["checksum"]:
                         raise SwapIOError(f"checksum mismatch reading {key!r} from {path}: the file is corrupt "
                                           "(the buffer holds what was read; do not use it)", path, key)
+                    self._hold_until(done_at)
                     self._span("nvme_read", key, started, nbytes)
                     result.set_result(into)
                 except SwapIOError as err:
@@ -338,6 +359,20 @@ class Swapper:
                 raise _ShortRead(f"got {got} of {end - offset} bytes at offset {offset}")
             if partial:
                 data[offset:end] = target[:end - offset]
+
+    # the throttle ----------------------------------------------------------------------------
+    def _reserve(self, nbytes: int) -> float | None:
+        """Throttled: book `nbytes` on the modelled link, after what it already carries; when they are through."""
+        if self.max_bandwidth is None:
+            return None
+        with self._lock:
+            self._link_free = max(time.perf_counter(), self._link_free) + nbytes / self.max_bandwidth
+            return self._link_free
+
+    @staticmethod
+    def _hold_until(done_at: float | None) -> None:
+        while done_at is not None and (left := done_at - time.perf_counter()) > 0:
+            time.sleep(left)  # releases the GIL
 
     # plumbing --------------------------------------------------------------------------------
     def _open(self, path: Path, flags: int) -> int:
@@ -383,6 +418,10 @@ class Swapper:
                 errno.EIO: "an I/O error from the device"}.get(err.errno, err.strerror or str(err))
         if err.errno == errno.EIO and err.strerror and err.strerror != os.strerror(errno.EIO):
             hint = err.strerror  # our own EIO (a short write), which says what happened
+        if not self.directory.is_dir():
+            return SwapIOError(f"could not {action} {key!r}: the swap directory {self.directory} is gone (removed or "
+                               "unmounted while the run used it); restore it, or resume from the last checkpoint",
+                               path, key, err)
         return SwapIOError(f"could not {action} {key!r} ({path}): {hint}; the previous version is intact",
                            path, key, err)
 
@@ -394,6 +433,14 @@ class Swapper:
     def keys(self) -> list[str]:
         with self._lock:
             return sorted(self.index)
+
+    def current_file(self, key: str) -> Path:
+        """The slot file the index points to for `key`: its latest durable version (a checkpoint may link it)."""
+        with self._lock:
+            entry = self.index.get(key)
+        if entry is None:
+            raise KeyError(f"no tensor stored under {key!r} in {self.directory}")
+        return self._file(key, entry["slot"])
 
     def close(self) -> None:
         """Wait for every queued operation, then stop the workers."""

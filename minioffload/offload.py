@@ -182,7 +182,8 @@ class OffloadAdam(GradientPath, WeightUploads, ShardedSteps, SpeculativeSteps, t
             if self.swapper is None:
                 self._initial_state(sub, sub.buffers)
         if self.swapper is not None and self._on_cpu():
-            self.nvme = NvmeTier(self.swapper, self.dev, self.h2d, self._on_cpu(), self.options.nvme_buffers)
+            self.nvme = NvmeTier(self.swapper, self.dev, self.h2d, self._on_cpu(), self.options.nvme_buffers,
+                                 "forward" if self.shard is not None else self.options.nvme_order)  # sharded: in order
             for sub in self._on_cpu():
                 self.nvme.store(sub, lambda views, sub=sub: self._initial_state(sub, views))
 

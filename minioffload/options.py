@@ -111,6 +111,12 @@ class OffloadOptions:
     nvme_buffers: int = _option(
         3, lambda v: _int(v) and v >= 3, "at least 3 (one set reading, one updating, one writing)",
         "NVMe tier: pinned working sets the state streams through")
+    nvme_order: str = _option(
+        "forward", lambda v: v in ("forward", "alternate"), "'forward' or 'alternate'",
+        "NVMe tier: the order subgroups are updated in; 'alternate' reverses it every other step and updates the "
+        "subgroups still in a working set first, without reading them again (MLP-Offload); 'forward' keeps it "
+        "(the default, which the step model predicts)",
+        str, "ORDER")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -186,3 +186,35 @@ def test_a_run_killed_while_a_checkpoint_is_in_flight_resumes_bit_for_bit(tmp_pa
                        capture_output=True)
         resumed = torch.load(run / "final.pt")
         assert all(torch.equal(a, b) for a, b in zip(reference, resumed, strict=True)), trial
+
+
+@pytest.mark.parametrize("paths", [1, 2])
+def test_the_nvme_tier_is_hard_linked_not_copied_and_resumes_bit_for_bit(paths, tmp_path):
+    from minioffload.nvme_paths import MultiPathSwapper
+
+    def swapper(root):
+        directories = [root / f"path{i}" for i in range(paths)]
+        for directory in directories:
+            directory.mkdir(parents=True)
+        return Swapper(directories[0]) if paths == 1 else MultiPathSwapper(directories, bandwidths=[2, 1])
+
+    with device("sim") as dev, swapper(tmp_path / "swap") as swap:
+        torch.manual_seed(0)
+        model = on_sim(Toy(width=16), dev)
+        opt = OffloadAdam(model.parameters(), dev, subgroup_numel=300, swapper=swap, nvme_order="alternate", **HYPER)
+        ckpt = AsyncCheckpointer(tmp_path / "ckpt", model, opt)
+        train(model, opt, range(3))
+        ckpt.save(3)
+        ckpt.wait()
+        linked = [f for f in (tmp_path / "ckpt" / "step00000003").iterdir() if f.name.startswith("subgroup")]
+        assert linked and all(f.stat().st_nlink == 2 for f in linked)  # one inode, two names: nothing copied
+        train(model, opt, range(3, 6))  # the tier writes every slot again: the linked files keep their bytes
+        ckpt.close()
+        straight = weights(model, opt)
+    with device("sim") as dev, swapper(tmp_path / "swap2") as swap:
+        torch.manual_seed(0)
+        model = on_sim(Toy(width=16), dev)
+        opt = OffloadAdam(model.parameters(), dev, subgroup_numel=300, swapper=swap, nvme_order="alternate", **HYPER)
+        assert load_latest(tmp_path / "ckpt", model, opt)[0] == 3
+        train(model, opt, range(3, 6))
+        assert all(torch.equal(a, b) for a, b in zip(straight, weights(model, opt), strict=True))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -157,15 +158,14 @@ class AsyncCheckpointer:
         return time.perf_counter() - started
 
     def _prune(self) -> None:
-        done = sorted(complete(self.directory))
-        for old in done[:-self.keep]:
+        for old in complete(self.directory)[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
 
 def load_latest(directory, model: torch.nn.Module, opt) -> tuple[int, dict]:
     """Load the newest complete checkpoint under `directory` into `model` and `opt` (built as when it was saved);
     returns (step, extra). FileNotFoundError when there is none."""
-    done = sorted(complete(Path(directory)))
+    done = complete(Path(directory))
     if not done:
         raise FileNotFoundError(f"no complete checkpoint (a step directory with {MANIFEST}) under {directory}")
     return load(done[-1], model, opt)
@@ -174,8 +174,9 @@ def load_latest(directory, model: torch.nn.Module, opt) -> tuple[int, dict]:
 def load(path, model: torch.nn.Module, opt) -> tuple[int, dict]:
     """Load the checkpoint in `path` (a step directory); returns (step, extra)."""
     path = Path(path)
-    if not (path / MANIFEST).exists():
-        raise FileNotFoundError(f"{path} has no {MANIFEST}: an unfinished checkpoint; load an earlier one")
+    if path.resolve() not in [done.resolve() for done in complete(path.parent)]:
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MANIFEST}, or a file it lists is missing "
+                                "or cut short): load an earlier one (load_latest finds it)")
     meta = torch.load(path / "meta.pt", weights_only=False)
     state = {}
     with Swapper(path) as swapper:
@@ -243,13 +244,28 @@ def _link_or_copy(source: Swapper, source_key: str, target: Swapper, key: str) -
 
 
 def complete(directory: Path) -> list[Path]:
-    """The step directories under `directory` that hold a committed manifest."""
-    return [p for p in directory.glob("step*") if (p / MANIFEST).exists()] if directory.exists() else []
+    """The step directories under `directory` whose manifest is committed and whose listed files are all there with
+    their sizes, oldest step first (by number: step100000000 comes after step99999999)."""
+    found = []
+    for path in Path(directory).glob("step*") if Path(directory).is_dir() else []:
+        match = re.fullmatch(r"step(\d+)", path.name)
+        try:
+            files = json.loads((path / MANIFEST).read_text())["files"]
+            whole = all((path / name).stat().st_size == size for name, size in files.items())
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # unfinished, torn, or a file gone
+        if match and whole:
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
 
 
 def _commit_manifest(path: Path, manifest: dict) -> None:
+    """Write MANIFEST.json last, listing every file of the checkpoint with its size; a crash at any point leaves
+    no manifest or the whole one."""
+    files = {str(f.relative_to(path).as_posix()): f.stat().st_size for f in sorted(path.rglob("*"))
+             if f.is_file() and not f.name.startswith(MANIFEST)}
     temporary = path / (MANIFEST + ".tmp")
-    temporary.write_text(json.dumps(manifest))
+    temporary.write_text(json.dumps({**manifest, "files": files}))
     _fsync(temporary)
     os.replace(temporary, path / MANIFEST)
     _fsync(path)  # the directory entry of the rename

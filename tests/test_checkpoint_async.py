@@ -133,6 +133,15 @@ def test_only_the_newest_complete_checkpoints_stay_and_bad_input_is_refused(tmp_
             load_latest(tmp_path / "nothing", model, opt)
         (tmp_path / "step00000004" / checkpoint_async.MANIFEST).unlink()  # as if the run died before the commit
         assert load_latest(tmp_path, model, opt)[0] == 3
+        (tmp_path / "step100000000").mkdir()  # a later step that sorts first as a string: compared as a number
+        (tmp_path / "step100000000" / checkpoint_async.MANIFEST).write_text('{"files": {}}')
+        assert checkpoint_async.complete(tmp_path)[-1].name == "step100000000"
+        (tmp_path / "step100000000" / checkpoint_async.MANIFEST).write_text('{"files": {"meta.pt": 10}}')
+        meta = tmp_path / "step00000003" / "meta.pt"
+        meta.write_bytes(meta.read_bytes()[:-1])  # a listed file cut short: not complete
+        assert checkpoint_async.complete(tmp_path) == []
+        with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+            checkpoint_async.load(tmp_path / "step00000003", model, opt)
 
 
 KILLED = textwrap.dedent("""

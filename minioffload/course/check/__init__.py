@@ -35,6 +35,9 @@ from . import (  # noqa: F401
     lab10,
     lab10_gather,
     lab10_reduce,
+    lab11,
+    lab11_latest,
+    lab11_paths,
 )
 from .grading import GRADERS, MAX_FRAMES, Verdict, expect, grade, grader, learner_traceback, sim_device, task
 

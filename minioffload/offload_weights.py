@@ -49,11 +49,11 @@ class WeightUploads:
             if self.streamer is not None:
                 self.streamer.quiesce()  # no copy up is reading a home
         given = {id(s) for s in slots}
-        flat = [sub for sub in dict.fromkeys(s.subgroup for s in slots)
-                if sub.weights is not None and (whole or all(id(s) in given for s in sub.slots))]
-        for sub in flat:  # one copy each: the parameters are views of one flat piece of device memory
+        together = [sub for sub in dict.fromkeys(s.subgroup for s in slots)
+                    if (whole or all(id(s) in given for s in sub.slots)) and not any(map(self._streamed, sub.slots))]
+        for sub in together:  # a flat one in one copy, others tensor by tensor
             self._send_weights(sub, sub.buffers["master"], wait_for_compute=False)
-        sent = {id(sub) for sub in flat}
+        sent = {id(sub) for sub in together}
         for slot in slots:
             if id(slot.subgroup) in sent:
                 continue
@@ -64,9 +64,19 @@ class WeightUploads:
             if slot.param.dtype == torch.float32:
                 source = master
             else:
+                self._staging_free(slot.subgroup)
                 source = self._staging(slot)
                 source.copy_(master)  # round to the model's dtype (nearest even), on the CPU
             self.dev.copy(slot.param.data, source, self.h2d, name="h2d weights")
+
+    def _staging_free(self, sub: Subgroup) -> dict:
+        """Wait until no copy still reads `sub`'s staging (the host is about to round new weights into it); the map
+        of id(subgroup) -> the event after the last copy from its staging."""
+        staged = self.__dict__.setdefault("_staged", {})
+        before = staged.pop(id(sub), None)
+        if before is not None:
+            before.synchronize()
+        return staged
 
     def _send_weights(self, sub: Subgroup, master: torch.Tensor, wait_for_compute: bool = True) -> None:
         """A subgroup's weights from `master` (its fp32 master, or a speculated one) up: a flat one in one copy,
@@ -75,9 +85,14 @@ class WeightUploads:
             self.dev.stream_waits_for_compute(self.h2d)
         pieces = [(sub.weights, master, slice(0, sub.numel))] if sub.weights is not None else [
             (slot.param.data, slot.shaped(master), slice(slot.offset, slot.offset + slot.numel)) for slot in sub.slots]
+        staged = self._staging_free(sub)  # a copy may still read the staging we are about to overwrite
         for weights, source, span in pieces:
             if weights.dtype != torch.float32:
                 staging = sub.staging["staging", weights.dtype][span].view(weights.shape)
                 staging.copy_(source)  # round to nearest even, on the CPU
                 source = staging
+                staged[id(sub)] = None
             self.dev.copy(weights, source, self.h2d, name="h2d weights")
+        if id(sub) in staged:
+            staged[id(sub)] = self.dev.event()
+            staged[id(sub)].record(self.h2d)

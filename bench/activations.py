@@ -1,7 +1,7 @@
 """Activation policies on the simulated device: step time and the device memory activations hold, per policy.
 
 One step is a forward and a backward of a GPT whose activations dominate its memory (long sequences, a narrow
-model), on a sim device whose link is fast enough that the model (activation_cost.py) predicts the offload
+model), on a sim device whose link is fast enough that the model (predict/activation_cost.py) predicts the offload
 copies hide entirely under compute. Contenders, interleaved in one process: keep, recompute, selective,
 offload, offload_input. Per run: wall time, and the peak of what the device holds beyond the weights during
 the step (the ledger: saved tensors counted while autograd holds them, copies in flight, tensors fetched back).
@@ -32,10 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import interleaved, stats, write  # noqa: E402
 
-from minioffload import activation_cost, hardware, profiles  # noqa: E402
-from minioffload.activations import POLICIES, Activations  # noqa: E402
-from minioffload.device import Link, device  # noqa: E402
-from minioffload.models import GPT, GPTConfig  # noqa: E402
+from minioffload.devices import Link, device  # noqa: E402
+from minioffload.machine import measure as hardware
+from minioffload.machine import profiles  # noqa: E402
+from minioffload.model.activations import POLICIES, Activations  # noqa: E402
+from minioffload.model.gpt import GPT, GPTConfig  # noqa: E402
+from minioffload.predict import activation_cost
 
 VOCAB = 64
 POOL_BYTES = 512 << 20  # room for every block's saved tensors (about 40 MiB each here)

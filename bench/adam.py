@@ -33,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import interleaved, stats, write  # noqa: E402
 
-from minioffload import adam, hardware  # noqa: E402  (hardware._seven_streams: the roofline kernel)
-from minioffload.lowp import from_bits  # noqa: E402
+from minioffload.kernels import adam
+from minioffload.kernels.lowp import from_bits  # noqa: E402
+from minioffload.machine import measure as hardware  # noqa: E402  (hardware._seven_streams: the roofline kernel)
 
 FAST = ("adam_fused", "torch_fused", "deepspeed", "adam_mixed", "torch_three_pass", "roofline")
 SLOW = ("adam_ref", "adam_inplace", "torch_default", "torch_foreach")

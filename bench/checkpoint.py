@@ -1,5 +1,5 @@
 """How long a checkpoint holds the training loop: a blocking torch.save, torch.distributed.checkpoint's async_save,
-and the lazy asynchronous checkpoint (checkpoint_async.py), each taken after every step of the same run.
+and the lazy asynchronous checkpoint (train/checkpoint_async.py), each taken after every step of the same run.
 
 A GPT trains with OffloadAdam on the simulated device (host tier). In each measured round every contender runs
 STEPS consecutive steps (forward, backward, step), checkpointing its whole state after each, and then waits for its
@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import interleaved, stats, write  # noqa: E402
 
-from minioffload import models  # noqa: E402
-from minioffload.checkpoint_async import AsyncCheckpointer  # noqa: E402
-from minioffload.device import device  # noqa: E402
-from minioffload.offload import OffloadAdam  # noqa: E402
+from minioffload.devices import device  # noqa: E402
+from minioffload.engine.optimizer import OffloadAdam  # noqa: E402
+from minioffload.model import gpt as models  # noqa: E402
+from minioffload.train.checkpoint_async import AsyncCheckpointer  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, no group: as intended
 KINDS = ("no checkpoint", "blocking torch.save", "DCP async_save", "async (ours)")

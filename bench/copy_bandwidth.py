@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import interleaved, stats, write  # noqa: E402
 
-from minioffload import hardware  # noqa: E402
-from minioffload.device import device  # noqa: E402
+from minioffload.devices import device  # noqa: E402
+from minioffload.machine import measure as hardware  # noqa: E402
 
 
 def main() -> int:

@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import stats, write  # noqa: E402
 
-from minioffload import profiles, stepmodel  # noqa: E402
-from minioffload.models import GPT, CharTokenizer, GPTConfig, load_text  # noqa: E402
+from minioffload.machine import profiles
+from minioffload.model.gpt import GPT, CharTokenizer, GPTConfig, load_text  # noqa: E402
+from minioffload.predict import stepmodel  # noqa: E402
 
 PRESET, BLOCK, BATCH, SUBGROUP = "medium", 64, 4, 1 << 20
 

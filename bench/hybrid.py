@@ -37,10 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import interleaved, stats, write  # noqa: E402
 
-from minioffload import hardware, hybrid  # noqa: E402
-from minioffload.adam import set_threads  # noqa: E402
-from minioffload.device import Link, device  # noqa: E402
-from minioffload.offload import OffloadAdam  # noqa: E402
+from minioffload import layout  # noqa: E402
+from minioffload.devices import Link, device  # noqa: E402
+from minioffload.engine.optimizer import OffloadAdam  # noqa: E402
+from minioffload.kernels.adam import set_threads  # noqa: E402
+from minioffload.machine import measure as hardware
+from minioffload.predict import hybrid_split  # noqa: E402
 
 
 def make_run(kind: str, link: Link, tensors: int, numel: int, split: dict):
@@ -93,23 +95,23 @@ def main() -> int:
     medians = {name: stats([m["update_s"] for m in measured])["median"] for name, measured in results.items()}
     cpu_only = medians["cpu only"]
     cpu_rate = params / cpu_only
-    device_rate = hybrid.link_rate(args.link_gbps * 1e9) if kind == "sim" else None
+    device_rate = hybrid_split.link_rate(args.link_gbps * 1e9) if kind == "sim" else None
     if kind == "cuda":  # the model's r_g from this GPU's link, measured: a pinned 256 MiB copy each way
         with device("cuda") as dev:
             link_bytes_per_s = min(hardware.copy_bandwidth(dev, [256 << 20], True, direction)[0]["bytes_per_s"]
                                    for direction in ("h2d", "d2h"))
-        device_rate = hybrid.link_rate(link_bytes_per_s)
-    predicted = hybrid.best_split(cpu_rate, device_rate)
+        device_rate = hybrid_split.link_rate(link_bytes_per_s)
+    predicted = hybrid_split.best_split(cpu_rate, device_rate)
     rows = []
     print(f"update phase of {params / 1e6:.1f}M params in {tensors} subgroups on the {kind} device"
           f"{f' ({args.link_gbps:g} GB/s link, CPU Adam on {args.cpu_threads} thread(s))' if kind == 'sim' else ''}, "
           f"{rounds} interleaved rounds, medians")
     print(f"{'split':<14}{'device share':>13}{'update ms':>11}{'speedup':>9}{'model ms':>10}")
     for name, split in splits.items():
-        resident, streamed = hybrid.device_subgroups(tensors, split.get("gpu_fraction"), split.get("stride"))
+        resident, streamed = layout.device_subgroups(tensors, split.get("gpu_fraction"), split.get("stride"))
         share = (len(resident) + len(streamed)) / tensors
         rate = device_rate if streamed else (dev.adam_rate if kind == "sim" else float("inf"))
-        model_s = hybrid.update_time(share, params, cpu_rate, rate) if share else cpu_only
+        model_s = hybrid_split.update_time(share, params, cpu_rate, rate) if share else cpu_only
         row = {"split": name, **split, "device_share": share, "update_s": stats([m["update_s"] for m in
                                                                                  results[name]]),
                "speedup_vs_cpu_only": cpu_only / medians[name], "model_update_s": model_s}
@@ -121,10 +123,10 @@ def main() -> int:
     best = max(strides, key=lambda row: row["speedup_vs_cpu_only"])
     predicted_s = cpu_only / predicted["speedup"]
     measured_device_rate = params / medians["stride 1"]
-    with_measured = cpu_only / hybrid.best_split(cpu_rate, measured_device_rate)["speedup"]
+    with_measured = cpu_only / hybrid_split.best_split(cpu_rate, measured_device_rate)["speedup"]
     headline = {"best_speedup_vs_cpu_only": best["speedup_vs_cpu_only"], "best_stride": best["stride"],
                 "predicted_speedup": predicted["speedup"], "predicted_fraction": predicted["fraction"],
-                "predicted_stride": hybrid.nearest_stride(predicted["fraction"]),
+                "predicted_stride": hybrid_split.nearest_stride(predicted["fraction"]),
                 "model_relative_error": abs(best["update_s"]["median"] - predicted_s) / predicted_s,
                 "measured_device_rate": measured_device_rate,
                 "model_relative_error_measured_rates": abs(best["update_s"]["median"] - with_measured) / with_measured,

@@ -11,7 +11,7 @@ Two groups of rows:
   overlap       the ~10M GPT at batch 8 x 128 tokens, all cores to everything (compute-bound on the sim): the
                 synchronous step, bucketed copies, the speculative update, and both; smaller subgroups; the delayed
                 update; and "compute only" (no optimizer), which calibrates the step model's compute rate
-  update-heavy  a PaddedStack (models.py: 10 linear layers, ~10.5M parameters) whose forward and backward take
+  update-heavy  a PaddedStack (model/gpt.py: 10 linear layers, ~10.5M parameters) whose forward and backward take
                 modelled times on the device, sleeping instead of using the host's cores as a GPU would: backward
                 as long as the synchronous CPU update measured just before (forward half that), so that backward
                 and the update take similar time, as the issue asks; synchronous vs speculative. The CPU Adam gets
@@ -53,10 +53,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import interleaved, stats, write  # noqa: E402
 
-from minioffload import models, profiles, stepmodel  # noqa: E402
-from minioffload.device import Link, device  # noqa: E402
-from minioffload.offload import OffloadAdam  # noqa: E402
+from minioffload.devices import Link, device  # noqa: E402
+from minioffload.engine.optimizer import OffloadAdam  # noqa: E402
+from minioffload.machine import profiles
+from minioffload.model import gpt as models
 from minioffload.options import OffloadOptions  # noqa: E402
+from minioffload.predict import stepmodel  # noqa: E402
 from minioffload.trace import Trace  # noqa: E402
 
 

@@ -29,8 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import interleaved, stats, write  # noqa: E402
 
-from minioffload import pipeline  # noqa: E402
-from minioffload.device import device  # noqa: E402
+from minioffload.devices import (
+    device,  # noqa: E402
+    pipeline,  # noqa: E402
+)
 
 
 def scale_and_shift(x: torch.Tensor, out: torch.Tensor) -> None:

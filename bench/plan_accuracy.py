@@ -32,8 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import stats, write  # noqa: E402
 
-from minioffload import plan, profiles  # noqa: E402
-from minioffload.train import TrainConfig, train  # noqa: E402
+from minioffload.machine import profiles  # noqa: E402
+from minioffload.planner import search as plan
+from minioffload.train.loop import TrainConfig, train  # noqa: E402
 from minioffload.units import MiB  # noqa: E402
 
 PRESET, BLOCK, BATCH, DEVICE_MEMORY, PRECISION = "medium", 64, 8, 64 * MiB, "fp32"

@@ -32,10 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import interleaved, stats, write  # noqa: E402
 
-from minioffload import models, profiles, stepmodel  # noqa: E402
-from minioffload.device import Link, device  # noqa: E402
-from minioffload.nvme import Swapper  # noqa: E402
-from minioffload.offload import OffloadAdam  # noqa: E402
+from minioffload.devices import Link, device  # noqa: E402
+from minioffload.engine.optimizer import OffloadAdam  # noqa: E402
+from minioffload.machine import profiles
+from minioffload.model import gpt as models
+from minioffload.nvme.swapper import Swapper  # noqa: E402
+from minioffload.predict import stepmodel  # noqa: E402
 
 PRESET, BATCH, BLOCK = "medium", 2, 64
 # name -> (options of OffloadAdam, or None for compute only / "device" for torch's AdamW on the device;

@@ -45,15 +45,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import interleaved, stats, write  # noqa: E402
 
-from minioffload.activations import Activations  # noqa: E402
-from minioffload.device import Link, device  # noqa: E402
-from minioffload.models import GPT, GPTConfig  # noqa: E402
-from minioffload.nvme import Swapper  # noqa: E402
-from minioffload.offload import OffloadAdam  # noqa: E402
-from minioffload.streaming import ParamStreamer  # noqa: E402
+from minioffload.devices import Link, device  # noqa: E402
+from minioffload.engine.optimizer import OffloadAdam  # noqa: E402
+from minioffload.model.activations import Activations  # noqa: E402
+from minioffload.model.gpt import GPT, GPTConfig  # noqa: E402
+from minioffload.model.streaming import ParamStreamer  # noqa: E402
+from minioffload.nvme.swapper import Swapper  # noqa: E402
 
 VOCAB, BATCH = 64, 4
-PCIE4 = 25e9  # B/s, a Gen4 x16 link's achieved pinned bandwidth (profiles.py's pcie4_achieved)
+PCIE4 = 25e9  # B/s, a Gen4 x16 link's achieved pinned bandwidth (machine/profiles.py's pcie4_achieved)
 CONTENDERS = {"resident": None, "host, depth 0": ("host", 0), "host, depth 1": ("host", 1),
               "host, depth 2": ("host", 2), "nvme, depth 2": ("nvme", 2)}
 
@@ -177,7 +177,8 @@ def rounding(model: GPT) -> dict:
 
 def predicted_exposed(n_layer: int, link: Link, forward_s: float) -> dict[int, float | None]:
     """The step model's exposed fetch fraction per depth, for this shape, link and measured block forward."""
-    from minioffload import profiles, stepmodel
+    from minioffload.machine import profiles
+    from minioffload.predict import stepmodel
 
     model = gpt(n_layer)
     work = stepmodel.Workload.of(model, tokens=BATCH * model.cfg.block_size, precision="fp32")

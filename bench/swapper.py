@@ -45,13 +45,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import stats, write  # noqa: E402
 
-from minioffload.adam import adam_fused  # noqa: E402
-from minioffload.device import device  # noqa: E402
-from minioffload.nvme import Swapper  # noqa: E402
-from minioffload.nvme_paths import MultiPathSwapper  # noqa: E402
-from minioffload.nvme_tier import reads_avoided_fraction  # noqa: E402
-from minioffload.nvme_tune import measure  # noqa: E402
-from minioffload.offload import OffloadAdam  # noqa: E402
+from minioffload.devices import device  # noqa: E402
+from minioffload.engine.nvme_tier import reads_avoided_fraction  # noqa: E402
+from minioffload.engine.optimizer import OffloadAdam  # noqa: E402
+from minioffload.kernels.adam import adam_fused  # noqa: E402
+from minioffload.nvme.multipath import MultiPathSwapper  # noqa: E402
+from minioffload.nvme.swapper import Swapper  # noqa: E402
+from minioffload.nvme.tune import measure  # noqa: E402
 from minioffload.paths import usable_directory  # noqa: E402
 from minioffload.pinned import aligned_empty  # noqa: E402
 

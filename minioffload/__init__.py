@@ -8,11 +8,11 @@ The course's own layer (lab graders, figures, widgets) is `minioffload.course`, 
 __version__ = "0.1.0"
 
 # The runtime's front door:  from minioffload import OffloadAdam, OffloadOptions, device, Swapper, Ledger
-# `device` is bound here, eagerly: the function, not its module (minioffload.device), which has the same name.
-from .device import Device, device  # noqa: E402,F401
+# `device` is bound here, eagerly: the function, not its module (minioffload.devices), which has the same name.
+from .devices import Device, device  # noqa: E402,F401
 
-_LAZY = {"OffloadAdam": "offload", "OffloadOptions": "options", "Swapper": "nvme", "Ledger": "ledger",
-         "TrainConfig": "train"}  # imported on first use
+_LAZY = {"OffloadAdam": "engine", "OffloadOptions": "options", "Swapper": "nvme", "Ledger": "ledger",
+         "TrainConfig": "train", "Link": "devices"}  # imported on first use
 __all__ = sorted([*_LAZY, "Device", "device"])
 
 

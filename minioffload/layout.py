@@ -9,7 +9,7 @@ and one disk read serve all of them. `Where` says where a subgroup is updated; `
 Staging buffers (gradients in, 16-bit weights out) are kept apart, keyed by (kind, dtype); `held()` lists
 every host buffer of a subgroup by a printable name.
 
-What this is not: memory (the engine allocates the buffers; device_path.py and nvme_tier.py bind theirs).
+What this is not: memory (the engine allocates the buffers; engine/device_path.py and engine/nvme_tier.py bind theirs).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Slot:
     step: int = 0
     pending: list = field(default_factory=list)  # (event, staging view) of gradient copies not yet added in
     has_grad: bool = False  # a gradient arrived since the last step
-    bucket: object = None  # its gradient bucket (buckets.py) when gradients leave in buckets
+    bucket: object = None  # its gradient bucket (engine/buckets.py) when gradients leave in buckets
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         """This parameter's elements of a subgroup buffer, flat."""
@@ -72,14 +72,14 @@ class Subgroup:
     numel: int
     where: Where = Where.CPU
     slots: list[Slot] = field(default_factory=list)
-    owner: int = 0  # the rank that holds its state and runs its update (sharding.py); 0 with one rank
+    owner: int = 0  # the rank that holds its state and runs its update (engine/sharding.py); 0 with one rank
     arrived: int = 0  # sharded: gradients that arrived in the current backward
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # STATE names and "grad" -> flat fp32 tensor
     # (kind, dtype) -> flat tensor in the parameters' dtype: kind "staging" (gradients arrive, 16-bit weights
     # leave) or "upload" (a delayed update's weights wait)
     staging: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)
     weights: torch.Tensor | None = None  # its parameters' device memory as one flat tensor (one upload), or None
-    buckets: list = field(default_factory=list)  # its gradient buckets (buckets.py), or [] for a copy per tensor
+    buckets: list = field(default_factory=list)  # its gradient buckets (engine/buckets.py), or [] for a copy per tensor
     spare: dict[str, torch.Tensor] = field(default_factory=dict)  # the speculative update's second set of STATE
 
     def held(self) -> dict[str, torch.Tensor]:

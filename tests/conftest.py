@@ -9,7 +9,7 @@ os.environ.setdefault("MINIOFFLOAD_SIM_STRICT", "1")  # before anything imports 
 
 import pytest  # noqa: E402
 
-from minioffload.device import device  # noqa: E402
+from minioffload.devices import device  # noqa: E402
 
 
 @pytest.fixture

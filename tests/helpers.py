@@ -11,8 +11,8 @@
 import torch
 from torch import nn
 
-from minioffload.device import device
-from minioffload.offload import OffloadAdam
+from minioffload.devices import device
+from minioffload.engine.optimizer import OffloadAdam
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 

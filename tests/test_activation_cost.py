@@ -2,8 +2,9 @@
 
 import pytest
 
-from minioffload import activation_cost as ac
-from minioffload import memory, profiles
+from minioffload.machine import profiles
+from minioffload.predict import activation_cost as ac
+from minioffload.predict import memory
 
 BLOCK = ac.BlockShape(seq_len=2048, batch_size=4, hidden=1024, heads=16)
 

@@ -4,9 +4,9 @@ over the link and back ahead of their block; bad input is refused before anythin
 import pytest
 import torch
 
-from minioffload.activations import POLICIES, Activations
-from minioffload.device import device
-from minioffload.models import GPT, GPTConfig
+from minioffload.devices import device
+from minioffload.model.activations import POLICIES, Activations
+from minioffload.model.gpt import GPT, GPTConfig
 
 VOCAB, BLOCK = 40, 32
 
@@ -133,7 +133,7 @@ def test_a_pool_too_small_names_the_fix():
 @pytest.mark.parametrize("plant", ["h2d after d2h", "compute after h2d"])
 def test_a_missing_wait_planted_in_the_hooks_is_caught(kept, plant, monkeypatch):
     """The strict sim (the test suite's) with jitter: leave out one wait and the run fails or trains differently."""
-    import minioffload.activations as activations
+    import minioffload.model.activations as activations
 
     if plant == "h2d after d2h":
         original = activations.Activations._fetch

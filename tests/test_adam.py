@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minioffload import adam
-from minioffload.lowp import as_bits, from_bits
+from minioffload.kernels import adam
+from minioffload.kernels.lowp import as_bits, from_bits
 
 # Float32 agreement to a few ulps of the operands. The values here are O(1), so atol 1e-6 is about 8 ulps of 1.0:
 # where two O(1) terms nearly cancel (exp_avg = lerp(m, g) with m ~ -g, or p - step), one ulp of a term is an
@@ -154,7 +154,7 @@ def test_as_bits_round_trips_without_copying():
 
 
 def test_sum_of_squares_matches_float64_torch_and_refuses_other_tensors():
-    from minioffload.gradnorm import sum_of_squares
+    from minioffload.kernels.gradnorm import sum_of_squares
 
     x = torch.randn(1_000_003, generator=torch.Generator().manual_seed(0)) * 3
     assert sum_of_squares(x) == pytest.approx(float(x.double().square().sum()), rel=1e-12)
@@ -166,7 +166,7 @@ def test_sum_of_squares_matches_float64_torch_and_refuses_other_tensors():
 
 @pytest.mark.parametrize("scale", [1.0, 0.37, 2.0**-16])
 def test_the_out_of_place_pass_is_the_in_place_one_bit_for_bit_and_leaves_its_inputs(scale):
-    from minioffload.adam import adam_fused_into
+    from minioffload.kernels.adam import adam_fused_into
 
     g = torch.Generator().manual_seed(1)
     param, grad, exp_avg, exp_avg_sq = (torch.randn(10_007, generator=g) for _ in range(4))

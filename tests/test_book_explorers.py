@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from minioffload.memory import footprint
+from minioffload.predict.memory import footprint
 
 ROOT = Path(__file__).resolve().parents[1]
 HTML = Path(os.environ.get("MINIOFFLOAD_BOOK_HTML", ROOT / "book" / "_build" / "html"))

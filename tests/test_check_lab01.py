@@ -4,8 +4,9 @@
 import pytest
 from grader_harness import assert_fails, assert_passes, mistakes_fail, reference_passes, stubs_are_todo
 
-from minioffload import memory, profiles
 from minioffload.course.check import lab01_units
+from minioffload.machine import profiles
+from minioffload.predict import memory
 from minioffload.units import GB, GiB
 
 # ---------------------------------------------------------------------------------------------

@@ -5,9 +5,9 @@ import threading
 import pytest
 from grader_harness import mistakes_fail, reference_passes, same_verdict_every_run, stubs_are_todo
 
-from minioffload import pipeline
 from minioffload.course import check
 from minioffload.course.check import lab02, lab02_pool
+from minioffload.devices import pipeline
 from minioffload.trace import Span, Trace
 
 

@@ -7,9 +7,9 @@ import numba
 import numpy as np
 from grader_harness import mistakes_fail, reference_passes, same_verdict_every_run, stubs_are_todo
 
-from minioffload import adam
 from minioffload.course import check
 from minioffload.course.check import lab03, lab03_kernel
+from minioffload.kernels import adam
 
 # ---------------------------------------------------------------------------------------------
 # reference answers
@@ -182,7 +182,7 @@ def test_any_nan_pattern_is_accepted_for_a_nan():
 
 
 def test_the_runtime_rounding_is_what_task_3_3_asks_for():
-    from minioffload.lowp import f32_to_bf16
+    from minioffload.kernels.lowp import f32_to_bf16
     assert check.grade("3.3", lambda bits: int(f32_to_bf16(np.array([bits], np.uint32).view(np.float32)[0]))).passed
 
 

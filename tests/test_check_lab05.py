@@ -12,9 +12,10 @@ from grader_harness import (
     stubs_are_todo,
 )
 
-from minioffload import hybrid
+from minioffload import layout, options
 from minioffload.course.check import lab05
 from minioffload.course.check.lab05 import GEN4, GEN5
+from minioffload.predict import hybrid_split
 
 # Task 5.1 --------------------------------------------------------------------------------------
 
@@ -22,7 +23,7 @@ def subgroups_with(*, front=False, from_zero=False, truncate=False, validate=Tru
     """A correct device_subgroups, with switches that turn it into one plausible mistake at a time."""
     def fn(count, gpu_fraction=None, stride=None):
         if validate:
-            hybrid.check_split(gpu_fraction, stride)
+            options.check_split(gpu_fraction, stride)
         if gpu_fraction is not None:
             n = int(gpu_fraction * count) if truncate else round(gpu_fraction * count)
             return (list(range(n)) if front else list(range(count - n, count))), []
@@ -133,11 +134,11 @@ def unsliced_scratch(dev, subgroups, scratch, streams, update):
 
 def best_stride(cpu_rate, bandwidth=GEN5):
     """The reference answer to Task 5.4 (the grader holds none: it searches the model for the best fraction)."""
-    return hybrid.nearest_stride(hybrid.best_split(cpu_rate, hybrid.link_rate(bandwidth))["fraction"])
+    return hybrid_split.nearest_stride(hybrid_split.best_split(cpu_rate, hybrid_split.link_rate(bandwidth))["fraction"])
 
 
 REFERENCE = {
-    "5.1": hybrid.device_subgroups,
+    "5.1": layout.device_subgroups,
     "5.2": split_with(),
     "5.3": update_streamed,
     "5.4": best_stride,
@@ -176,7 +177,7 @@ WRONG = [  # (task, plausible mistake, what the verdict must mention)
 
 
 def best_split_fraction(cpu_rate, bandwidth):
-    return hybrid.best_split(cpu_rate, hybrid.link_rate(bandwidth))["fraction"]
+    return hybrid_split.best_split(cpu_rate, hybrid_split.link_rate(bandwidth))["fraction"]
 
 
 test_reference_passes = reference_passes(REFERENCE)
@@ -204,4 +205,4 @@ def test_the_searched_fraction_and_strides_are_the_models():
         for bandwidth in (GEN4, GEN5):
             fraction = best_split_fraction(cpu_rate, bandwidth)
             assert math.isclose(lab05.modelled_best_fraction(cpu_rate, bandwidth), fraction, rel_tol=1e-12)
-            assert lab05._closest_strides(fraction) == [hybrid.nearest_stride(fraction)]
+            assert lab05._closest_strides(fraction) == [hybrid_split.nearest_stride(fraction)]

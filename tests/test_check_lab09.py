@@ -4,9 +4,10 @@ import itertools
 
 from grader_harness import assert_passes, mistakes_fail, reference_passes, same_verdict_every_run, stubs_are_todo
 
-from minioffload import memory, plan, stepmodel
-from minioffload.activation_cost import BlockShape, policy_costs
-from minioffload.plan_milp import Solution, brute_force, solve
+from minioffload.planner import search as plan
+from minioffload.planner.milp import Solution, brute_force, solve
+from minioffload.predict import memory, stepmodel
+from minioffload.predict.activation_cost import BlockShape, policy_costs
 
 # Task 9.1 --------------------------------------------------------------------------------------
 

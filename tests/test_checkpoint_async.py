@@ -1,4 +1,5 @@
-"""Lazy asynchronous checkpoints (checkpoint_async.py): a resumed run continues bit for bit, a checkpoint never mixes
+"""Lazy asynchronous checkpoints (train/checkpoint_async.py): a resumed run continues bit for bit, a checkpoint
+never mixes
 two steps, a run killed while one is in flight resumes from the last complete one, and a failed write loses nothing."""
 
 import os
@@ -13,11 +14,11 @@ import pytest
 import torch
 from helpers import HYPER, Toy, batch, loss_of, on_sim
 
-from minioffload import checkpoint_async
-from minioffload.checkpoint_async import AsyncCheckpointer, load_latest
-from minioffload.device import device
-from minioffload.nvme import SwapIOError, Swapper
-from minioffload.offload import OffloadAdam
+from minioffload.devices import device
+from minioffload.engine.optimizer import OffloadAdam
+from minioffload.nvme.swapper import SwapIOError, Swapper
+from minioffload.train.checkpoint_async import AsyncCheckpointer, load_latest
+from minioffload.train.loop import checkpoint_async
 
 OPTIONS = {"plain": {}, "clipped, scaled, kept": {"max_grad_norm": 0.05, "loss_scale": "dynamic",
                                                   "min_offload_numel": 20},
@@ -148,9 +149,9 @@ KILLED = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
     from helpers import HYPER, Toy, batch, loss_of, on_sim
-    from minioffload.checkpoint_async import AsyncCheckpointer, load_latest
-    from minioffload.device import device
-    from minioffload.offload import OffloadAdam
+    from minioffload.train.checkpoint_async import AsyncCheckpointer, load_latest
+    from minioffload.devices import device
+    from minioffload.engine.optimizer import OffloadAdam
 
     directory, steps, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume"
     with device("sim") as dev:
@@ -199,7 +200,7 @@ def test_a_run_killed_while_a_checkpoint_is_in_flight_resumes_bit_for_bit(tmp_pa
 
 @pytest.mark.parametrize("paths", [1, 2])
 def test_the_nvme_tier_is_hard_linked_not_copied_and_resumes_bit_for_bit(paths, tmp_path):
-    from minioffload.nvme_paths import MultiPathSwapper
+    from minioffload.nvme.multipath import MultiPathSwapper
 
     def swapper(root):
         directories = [root / f"path{i}" for i in range(paths)]

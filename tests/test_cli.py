@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from minioffload.__main__ import main, parse_count
+from minioffload.cli.main import main, parse_count
 
 
 def test_footprint_prints_the_table_and_the_verdict(capsys):
@@ -69,7 +69,7 @@ def test_train_bad_flags_exit_2_with_a_reason(argv, message, capsys):
 
 
 def test_hardware_lists_every_preset_and_cites_one(capsys):
-    from minioffload import profiles
+    from minioffload.machine import profiles
 
     main(["hardware"])
     out = capsys.readouterr().out

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import minioffload.__main__ as cli
-import minioffload.profiles as profiles
-import minioffload.train as train_module
+import minioffload.cli.main as cli
+import minioffload.machine.profiles as profiles
+import minioffload.train.loop as train_module
 
 
 class Started(BaseException):

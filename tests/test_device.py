@@ -9,9 +9,8 @@ import time
 import pytest
 import torch
 
-from minioffload import pipeline
-from minioffload.device import Link, device
-from minioffload.memory import MiB, OutOfMemoryError
+from minioffload.devices import Link, device, pipeline
+from minioffload.predict.memory import MiB, OutOfMemoryError
 
 BACKENDS = ["sim", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])]

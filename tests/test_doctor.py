@@ -11,9 +11,10 @@ from collections import namedtuple
 import pytest
 import torch
 
-from minioffload import doctor, hardware
-from minioffload.doctor import Finding, add_doctor_parser, diagnose, report
-from minioffload.plan_types import ModelSpec, Plan
+from minioffload.machine import measure as hardware
+from minioffload.planner import doctor
+from minioffload.planner.doctor import Finding, add_doctor_parser, diagnose, report
+from minioffload.planner.plan import ModelSpec, Plan
 from minioffload.units import GiB, MiB
 
 SPEC = ModelSpec.of_preset("tiny")

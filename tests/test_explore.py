@@ -11,13 +11,13 @@ import subprocess
 
 import pytest
 
-from minioffload import plan as planner
 from minioffload.course import explore
 from minioffload.course.explore.chart import JAVASCRIPT_MIME, VEGALITE_MIME
 from minioffload.course.explore.footprint import GB_EXPR
-from minioffload.memory import OPTIMIZERS, PLACEMENTS, PRECISIONS, TIERS, footprint
-from minioffload.profiles import preset
-from minioffload.stepmodel import StepConfig, Workload, predict
+from minioffload.machine.profiles import preset
+from minioffload.planner import search as planner
+from minioffload.predict.memory import OPTIMIZERS, PLACEMENTS, PRECISIONS, TIERS, footprint
+from minioffload.predict.stepmodel import StepConfig, Workload, predict
 from minioffload.trace import Trace
 from minioffload.units import GB
 

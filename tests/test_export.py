@@ -1,4 +1,4 @@
-"""minioffload.export: the DeepSpeed configs pass DeepSpeed's own config classes (and a wrong one does not), the
+"""minioffload.planner.export: the DeepSpeed configs pass DeepSpeed's own config classes (and a wrong one does not), the
 FSDP2 code shards and trains the course GPT on the CPU as an unsharded AdamW step does, the torchao code compiles
 and runs with a stand-in for torchao, and `unsupported` names what each system cannot express."""
 
@@ -13,11 +13,11 @@ import types
 import pytest
 import torch
 
-from minioffload import export
-from minioffload.export import to_deepspeed_config, unsupported
-from minioffload.export_code import to_fsdp2_code, to_torchao_code
-from minioffload.models import GPT, GPTConfig
-from minioffload.plan_types import ModelSpec, Plan
+from minioffload.model.gpt import GPT, GPTConfig
+from minioffload.planner import export
+from minioffload.planner.export import to_deepspeed_config, unsupported
+from minioffload.planner.export_code import to_fsdp2_code, to_torchao_code
+from minioffload.planner.plan import ModelSpec, Plan
 
 SPEC = ModelSpec.of_preset("tiny")
 

@@ -4,10 +4,10 @@ OffloadAdam allocates, for every precision and option."""
 import pytest
 import torch
 
-from minioffload import memory
-from minioffload.device import device
-from minioffload.nvme import Swapper
-from minioffload.offload import OffloadAdam
+from minioffload.devices import device
+from minioffload.engine.optimizer import OffloadAdam
+from minioffload.nvme.swapper import Swapper
+from minioffload.predict import memory
 
 SHAPES = [(48, 40), (40,), (64, 48), (48,), (40, 64), (40,), (300,), (7, 9)]  # uneven, so packing matters
 OPTIONS = {"plain": {}, "delayed": {"delay_updates_after": 0}, "static split": {"gpu_fraction": 0.5},

@@ -6,10 +6,10 @@ matplotlib.use("Agg")
 
 import pytest  # noqa: E402
 
-from minioffload import hardware  # noqa: E402
 from minioffload.course import viz  # noqa: E402
-from minioffload.device import Link, device  # noqa: E402
-from minioffload.memory import MiB  # noqa: E402
+from minioffload.devices import Link, device  # noqa: E402
+from minioffload.machine import measure as hardware  # noqa: E402
+from minioffload.predict.memory import MiB  # noqa: E402
 
 
 def test_host_memory_bandwidth_is_positive_and_refuses_bad_sizes():

@@ -6,9 +6,8 @@ import time
 import pytest
 import torch
 
-from minioffload import pipeline
-from minioffload.device import Link, device
-from minioffload.hazards import HazardError
+from minioffload.devices import Link, device, pipeline
+from minioffload.devices.hazards import HazardError
 
 
 def double(x, out):

@@ -6,10 +6,12 @@ import pytest
 import torch
 from helpers import HYPER, Toy, assert_resumes_bit_for_bit, batch, fresh, loss_of, on_sim, train
 
-from minioffload import hybrid
-from minioffload.device import device
-from minioffload.memory import OutOfMemoryError
-from minioffload.offload import OffloadAdam
+from minioffload import layout
+from minioffload.devices import device
+from minioffload.engine.optimizer import OffloadAdam
+from minioffload.kernels.device_adam import device_adam
+from minioffload.predict import hybrid_split
+from minioffload.predict.memory import OutOfMemoryError
 
 SPLITS = [{"stride": 1}, {"stride": 2}, {"stride": 3}, {"gpu_fraction": 0.0}, {"gpu_fraction": 0.5},
           {"gpu_fraction": 1.0}]
@@ -110,18 +112,19 @@ def test_bad_splits_are_refused_naming_the_valid_ranges(sim, options, match):
 
 
 def test_the_split_model():
-    best = hybrid.best_split(cpu_rate=3e8, device_rate=1e8)
+    best = hybrid_split.best_split(cpu_rate=3e8, device_rate=1e8)
     assert best["fraction"] == pytest.approx(0.25) and best["speedup"] == pytest.approx(4 / 3)
     n = 1_000_000  # the model's optimum is where the two paths take equally long, and no fraction beats it
-    t_best = hybrid.update_time(best["fraction"], n, 3e8, 1e8)
+    t_best = hybrid_split.update_time(best["fraction"], n, 3e8, 1e8)
     assert t_best == pytest.approx(n / 3e8 / best["speedup"])
-    assert all(hybrid.update_time(f / 100, n, 3e8, 1e8) >= t_best * (1 - 1e-12) for f in range(101))
-    assert hybrid.link_rate(12e9) == pytest.approx(1e9)
-    assert hybrid.nearest_stride(0.3) == 3 and hybrid.nearest_stride(1.0) == 1 and hybrid.nearest_stride(0.45) == 2
-    assert hybrid.device_subgroups(10, stride=3) == ([], [2, 5, 8])
-    assert hybrid.device_subgroups(10, gpu_fraction=0.3) == ([7, 8, 9], [])
+    assert all(hybrid_split.update_time(f / 100, n, 3e8, 1e8) >= t_best * (1 - 1e-12) for f in range(101))
+    assert hybrid_split.link_rate(12e9) == pytest.approx(1e9)
+    stride = hybrid_split.nearest_stride
+    assert stride(0.3) == 3 and stride(1.0) == 1 and stride(0.45) == 2
+    assert layout.device_subgroups(10, stride=3) == ([], [2, 5, 8])
+    assert layout.device_subgroups(10, gpu_fraction=0.3) == ([7, 8, 9], [])
     with pytest.raises(ValueError, match="rates must be positive"):
-        hybrid.best_split(0, 1e8)
+        hybrid_split.best_split(0, 1e8)
 
 
 @pytest.mark.parametrize("weight_bytes", [2, 4])
@@ -129,28 +132,28 @@ def test_the_split_model():
 @pytest.mark.parametrize("bandwidth", [4e9, 25e9, 50e9])
 def test_the_shared_link_split_is_the_best_of_a_scan(weight_bytes, cpu_rate, bandwidth):
     n = 1_000_000
-    best = hybrid.best_split_shared(cpu_rate, bandwidth, weight_bytes)
-    t_best = hybrid.update_time_shared(best["fraction"], n, cpu_rate, bandwidth, weight_bytes)
-    scan = [hybrid.update_time_shared(f / 10_000, n, cpu_rate, bandwidth, weight_bytes) for f in range(10_001)]
+    best = hybrid_split.best_split_shared(cpu_rate, bandwidth, weight_bytes)
+    t_best = hybrid_split.update_time_shared(best["fraction"], n, cpu_rate, bandwidth, weight_bytes)
+    scan = [hybrid_split.update_time_shared(f / 10_000, n, cpu_rate, bandwidth, weight_bytes) for f in range(10_001)]
     assert t_best <= min(scan) * (1 + 1e-12)
     assert t_best == pytest.approx(min(scan), rel=1e-3)  # the scan's grid is 1e-4 apart
     assert best["speedup"] == pytest.approx(scan[0] / t_best)
-    times = hybrid.phase_times(best["fraction"], n, cpu_rate, bandwidth, weight_bytes)
+    times = hybrid_split.phase_times(best["fraction"], n, cpu_rate, bandwidth, weight_bytes)
     assert times["d2h"] <= times["h2d"]  # the way up carries the weights as well: it is the busier direction
     if best["fraction"] > 0:  # balanced: the CPU and the way up finish together
         assert times["cpu"] == pytest.approx(times["h2d"])
     # the weights' bytes make the device path dearer than the link-only model says: it gets no more of the work
-    assert best["fraction"] <= hybrid.best_split(cpu_rate, hybrid.link_rate(bandwidth))["fraction"]
+    assert best["fraction"] <= hybrid_split.best_split(cpu_rate, hybrid_split.link_rate(bandwidth))["fraction"]
 
 
 def test_the_shared_link_model_counts_each_directions_bytes():
     n, cpu_rate, bandwidth = 1_000_000, 1e9, 12e9
-    times = hybrid.phase_times(0.25, n, cpu_rate, bandwidth, weight_bytes=2)
+    times = hybrid_split.phase_times(0.25, n, cpu_rate, bandwidth, weight_bytes=2)
     assert times["cpu"] == pytest.approx(0.75 * n / cpu_rate)
     assert times["h2d"] == pytest.approx((0.25 * n * 12 + 0.75 * n * 2) / bandwidth)
     assert times["d2h"] == pytest.approx(0.25 * n * 12 / bandwidth)
     # weights alone keep the link busier than the CPU: nothing goes to the device path
-    fast_cpu = hybrid.best_split_shared(cpu_rate=1e11, bandwidth=bandwidth, weight_bytes=4)
+    fast_cpu = hybrid_split.best_split_shared(cpu_rate=1e11, bandwidth=bandwidth, weight_bytes=4)
     assert fast_cpu["fraction"] == 0 and fast_cpu["speedup"] == pytest.approx(1.0)
 
 
@@ -174,7 +177,7 @@ def _pipeline_time(sets: int, copy: float, adam: float, subgroups: int = 60) -> 
     (1 << 16, 25e9, 5e10, 1e-3),  # latency-bound copies
 ])
 def test_scratch_sets_keep_the_streamed_pipeline_at_its_slowest_stage(numel, bandwidth, adam_rate, latency):
-    sets = hybrid.scratch_sets(numel, bandwidth, adam_rate, latency)
+    sets = hybrid_split.scratch_sets(numel, bandwidth, adam_rate, latency)
     copy, adam = latency + numel * 12 / bandwidth, numel / adam_rate
     enough = _pipeline_time(sets, copy, adam)
     assert sets >= 2 and enough == pytest.approx(_pipeline_time(sets + 8, copy, adam))  # more sets: no faster
@@ -184,15 +187,15 @@ def test_scratch_sets_keep_the_streamed_pipeline_at_its_slowest_stage(numel, ban
 
 def test_bad_shared_link_inputs_are_refused():
     with pytest.raises(ValueError, match="weight_bytes must be 2"):
-        hybrid.best_split_shared(1e9, 25e9, weight_bytes=3)
+        hybrid_split.best_split_shared(1e9, 25e9, weight_bytes=3)
     with pytest.raises(ValueError, match="bandwidth must be positive"):
-        hybrid.update_time_shared(0.5, 1000, 1e9, 0, 2)
+        hybrid_split.update_time_shared(0.5, 1000, 1e9, 0, 2)
     with pytest.raises(ValueError, match="fraction must be in"):
-        hybrid.phase_times(1.5, 1000, 1e9, 25e9, 2)
+        hybrid_split.phase_times(1.5, 1000, 1e9, 25e9, 2)
     with pytest.raises(ValueError, match="subgroup_numel must be a positive int"):
-        hybrid.scratch_sets(0, 25e9, 1e10)
+        hybrid_split.scratch_sets(0, 25e9, 1e10)
     with pytest.raises(ValueError, match="adam_rate must be positive"):
-        hybrid.scratch_sets(1024, 25e9, float("inf"))
+        hybrid_split.scratch_sets(1024, 25e9, float("inf"))
 
 
 def test_a_checkpoint_of_a_hybrid_run_continues_bit_for_bit():
@@ -224,7 +227,7 @@ def test_on_cuda_every_split_trains_like_the_cpu_only_update(split):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_cupy_kernel_matches_torch_fused_adamw():
     pytest.importorskip("cupy")
-    from minioffload.gpu_adam import adam_cupy
+    from minioffload.kernels.gpu_adam import adam_cupy
 
     g = torch.Generator(device="cuda").manual_seed(0)
     p, grad, m, v = (torch.randn(1 << 20, device="cuda", generator=g) for _ in range(4))
@@ -232,7 +235,7 @@ def test_the_cupy_kernel_matches_torch_fused_adamw():
     ours = [t.clone() for t in (p, grad, m, v)]
     for step in range(1, 4):
         adam_cupy(ours[0], ours[1], ours[2], ours[3], step=step, lr=1e-3, weight_decay=0.01)
-        hybrid.device_adam(p, grad, m, v, step=step, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+        device_adam(p, grad, m, v, step=step, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     for a, b in zip(ours, (p, grad, m, v), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 

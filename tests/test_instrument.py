@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from minioffload.course.instrument import device_memory_series, link_bytes_by_phase, utilisation_by_phase
-from minioffload.memory import Ledger
+from minioffload.predict.memory import Ledger
 from minioffload.trace import Trace
 
 

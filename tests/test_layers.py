@@ -58,9 +58,9 @@ def test_no_module_imports_another_in_a_cycle():
 
 
 def test_the_front_door_exports_the_runtime():
-    code = ("import minioffload.device, minioffload.train\n"  # importing the submodule first must not shadow device()
+    code = ("import minioffload.devices, minioffload.train.loop\n"  # submodules first: device() unshadowed
             "from minioffload import Ledger, OffloadAdam, OffloadOptions, Swapper, TrainConfig, device\n"
-            "assert callable(device) and device.__module__ == 'minioffload.device'\n"
+            "assert callable(device) and device.__module__ == 'minioffload.devices'\n"
             "assert OffloadAdam.__name__ == 'OffloadAdam' and Swapper.__name__ == 'Swapper'\n"
             "import minioffload\n"
             "try:\n    minioffload.Nothing\nexcept AttributeError as err:\n    print(err)\n")

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minioffload import memory
-from minioffload.memory import GB, GiB, Ledger, OutOfMemoryError, footprint
+from minioffload.predict import memory
+from minioffload.predict.memory import GB, GiB, Ledger, OutOfMemoryError, footprint
 
 # (precision, optimizer, placement) -> bytes per param on (device, host, nvme), worked out by hand.
 EXPECTED = {
@@ -146,9 +146,9 @@ def test_streamed_host_and_nvme_bytes_add_the_home_to_the_offloaded_optimizer():
 
 
 def test_streamed_device_bytes_agree_with_the_runtimes_plan():
-    from minioffload import streaming
-    from minioffload.models import GPT, GPTConfig
-    from minioffload.stepmodel import Workload
+    from minioffload.model import streaming
+    from minioffload.model.gpt import GPT, GPTConfig
+    from minioffload.predict.stepmodel import Workload
 
     with torch.device("meta"):  # sizes only
         model = GPT(GPTConfig.preset("small", vocab_size=74))
@@ -169,7 +169,8 @@ def test_activation_bytes_per_policy():
     assert memory.activation_bytes(layers, s, b, h, a, "selective") == (layers - 1) * 34 * s * b * h + keep
     assert memory.activation_bytes(layers, s, b, h, a, "offload") == keep
     assert memory.activation_bytes(layers, s, b, h, a, "offload_input", value_bytes=4) == 2 * keep
-    from minioffload import activation_cost, activations
+    from minioffload.model import activations
+    from minioffload.predict import activation_cost
     assert memory.ACTIVATION_POLICIES == activation_cost.POLICIES == activations.POLICIES
 
 

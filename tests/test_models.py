@@ -1,11 +1,11 @@
-"""The small GPT, its tokenizer and the bundled corpus (minioffload.models, minioffload/data)."""
+"""The small GPT, its tokenizer and the bundled corpus (minioffload.model.gpt, minioffload/data)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from minioffload.models import (
+from minioffload.model.gpt import (
     GPT,
     SEPARATOR,
     TEXTS,

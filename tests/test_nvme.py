@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minioffload.nvme import SwapIOError, Swapper
+from minioffload.nvme.swapper import SwapIOError, Swapper
 from minioffload.pinned import aligned_empty
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +83,7 @@ def _child(script: str, tmp_path: Path, **kwargs) -> subprocess.Popen:
     code = textwrap.dedent(f"""
         import sys, torch
         sys.path.insert(0, {str(ROOT)!r})
-        from minioffload.nvme import Swapper, SwapIOError
+        from minioffload.nvme.swapper import Swapper, SwapIOError
         from minioffload.pinned import aligned_empty
         swap = Swapper({str(tmp_path)!r}, block_size=1 << 16, workers=2)
         def make(numel, value):
@@ -171,7 +171,7 @@ def test_a_read_only_directory_is_refused(tmp_path):
 def test_a_filesystem_without_o_direct_falls_back_with_one_warning(tmp_path, monkeypatch):
     import errno
 
-    import minioffload.nvme as nvme
+    import minioffload.nvme.swapper as nvme
 
     real_open = os.open
 
@@ -193,7 +193,7 @@ def test_a_filesystem_without_o_direct_falls_back_with_one_warning(tmp_path, mon
 
 
 def test_an_unwritable_directory_is_named_with_the_fix(tmp_path, monkeypatch):
-    import minioffload.nvme as nvme
+    import minioffload.nvme.swapper as nvme
 
     monkeypatch.setattr(nvme.os, "access", lambda path, mode: False)  # as root (CI) every directory is writable
     with pytest.raises(PermissionError, match=f"swap directory {tmp_path} is not writable by this user"):

@@ -18,11 +18,11 @@ from helpers import HYPER, Toy, on_sim, train
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minioffload import nvme_paths
-from minioffload.device import device
-from minioffload.nvme import SwapIOError, Swapper
-from minioffload.nvme_paths import MultiPathSwapper, chairman_assignment
-from minioffload.offload import OffloadAdam
+from minioffload.devices import device
+from minioffload.engine.optimizer import OffloadAdam
+from minioffload.nvme.multipath import MultiPathSwapper, chairman_assignment
+from minioffload.nvme.swapper import SwapIOError, Swapper
+from minioffload.nvme.swapper import multipath as nvme_paths
 from minioffload.pinned import aligned_empty
 
 FAST = 1 << 30  # bytes/s: throttles that cost a test nothing but are still in force
@@ -98,7 +98,7 @@ def test_placement_is_proportional_and_keeps_a_subgroup_together():
 
 def test_placement_is_the_same_in_another_process(tmp_path):
     keys = [f"subgroup{n}/master" for n in range(40)] + [f"extra{n}/x" for n in range(40)]
-    code = ("import sys; from minioffload.nvme_paths import MultiPathSwapper\n"
+    code = ("import sys; from minioffload.nvme.multipath import MultiPathSwapper\n"
             "class P:\n    index = {}; trace = None\n    def write(self): pass\n    def read(self): pass\n"
             f"m = MultiPathSwapper([P(), P()], bandwidths=[2.5, 1.0])\nprint([m.path_of(k) for k in {keys!r}])")
     env = {**os.environ, "PYTHONHASHSEED": "12345"}

@@ -5,10 +5,10 @@ import pytest
 import torch
 from helpers import HYPER, Toy, assert_resumes_bit_for_bit, batch, fresh, loss_of, on_sim, train
 
-from minioffload.device import device
-from minioffload.nvme import Swapper
-from minioffload.nvme_tier import reads_avoided_fraction
-from minioffload.offload import OffloadAdam
+from minioffload.devices import device
+from minioffload.engine.nvme_tier import reads_avoided_fraction
+from minioffload.engine.optimizer import OffloadAdam
+from minioffload.nvme.swapper import Swapper
 
 
 def run(tmp_path=None, steps=4, micro_batches=2, clip=0.5, dtype=torch.float32, buffers=3, swapper=None,

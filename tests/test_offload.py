@@ -7,8 +7,8 @@ import pytest
 import torch
 from helpers import HYPER, Toy, batch, fresh, loss_of, on_sim, train
 
-from minioffload.device import device
-from minioffload.offload import OffloadAdam
+from minioffload.devices import device
+from minioffload.engine.optimizer import OffloadAdam
 
 
 def straight_and_first(steps_before_saving=3, **options):
@@ -247,7 +247,7 @@ RESUME = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 from helpers import batch, fresh, loss_of
-from minioffload.device import device
+from minioffload.devices import device
 checkpoint = torch.load({path!r}, weights_only=False)
 with device("sim") as dev:
     model, opt = fresh(dev)
@@ -351,7 +351,7 @@ def test_delayed_updates_train_one_update_behind(synchronous, micro_batches, cli
 
 
 def test_a_delayed_update_runs_behind_step_and_its_errors_surface(monkeypatch):
-    import minioffload.offload as offload
+    import minioffload.engine.optimizer as offload
 
     gate, threads = threading.Event(), []
 

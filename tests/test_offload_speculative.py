@@ -7,8 +7,8 @@ import pytest
 import torch
 from helpers import HYPER, Toy, batch, loss_of, on_sim
 
-from minioffload.device import Link, device
-from minioffload.offload import OffloadAdam
+from minioffload.devices import Link, device
+from minioffload.engine.optimizer import OffloadAdam
 
 PLAIN = {}
 VARIANTS = {

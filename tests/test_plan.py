@@ -9,11 +9,13 @@ import random
 
 import pytest
 
-from minioffload import memory, plan, profiles
-from minioffload.__main__ import main
-from minioffload.plan_milp import BRUTE_FORCE_LIMIT, Option, Problem, brute_force, solve
-from minioffload.plan_types import ModelSpec, Plan
-from minioffload.train import train
+from minioffload.cli.main import main
+from minioffload.machine import profiles
+from minioffload.planner import search as plan
+from minioffload.planner.milp import BRUTE_FORCE_LIMIT, Option, Problem, brute_force, solve
+from minioffload.planner.plan import ModelSpec, Plan
+from minioffload.predict import memory
+from minioffload.train.loop import train
 from minioffload.units import GB, MiB
 
 

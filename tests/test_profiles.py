@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from minioffload import profiles
-from minioffload.profiles import FIGURES, PRESETS, Hardware
+from minioffload.machine import profiles
+from minioffload.machine.profiles import FIGURES, PRESETS, Hardware
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -76,7 +76,7 @@ def test_probe_describes_this_machine_as_a_shared_host():
 
 
 def test_the_gpu_sizes_chapter_1_uses_come_from_the_table():
-    from minioffload import memory
+    from minioffload.predict import memory
 
     assert memory.GPUS == {"H100 80 GB": profiles.preset("h100-sxm").device_memory,
                            "H200 141 GB": profiles.preset("h200").device_memory}

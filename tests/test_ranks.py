@@ -7,9 +7,10 @@ import random
 
 import pytest
 
-from minioffload import memory, profiles, scaling, stepmodel
-from minioffload.shards import ring_bytes, shard_owners, shard_sizes
-from minioffload.stepmodel import StepConfig, Workload
+from minioffload.machine import profiles
+from minioffload.predict import memory, scaling, stepmodel
+from minioffload.predict.shards import ring_bytes, shard_owners, shard_sizes
+from minioffload.predict.stepmodel import StepConfig, Workload
 
 SEVEN_B = Workload(7_000_000_000, 8 * 4096, "mixed_bf16", 291, False, 32, 300_000_000)
 

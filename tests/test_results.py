@@ -2,7 +2,7 @@
 
 import pytest
 
-from minioffload import results
+from minioffload.course import results
 
 
 def test_load_reads_a_recorded_run_from_any_folder(tmp_path, monkeypatch):

@@ -56,7 +56,7 @@ SCRIPT = textwrap.dedent('''
         """Every module under `path` but the course and the CLI's entry point, imported (not walk_packages, which
         would import the course's packages to look inside them)."""
         for module in pkgutil.iter_modules(path, prefix):
-            if module.name in ("minioffload.course", "minioffload.__main__"):
+            if module.name in ("minioffload.course", "minioffload.cli.main"):
                 continue
             imported = importlib.import_module(module.name)
             yield module.name
@@ -65,15 +65,15 @@ SCRIPT = textwrap.dedent('''
 
 
     names = sorted(runtime_modules(minioffload.__path__, "minioffload."))
-    assert "minioffload.offload" in names and "minioffload.device_sim" in names, names
+    assert "minioffload.engine.optimizer" in names and "minioffload.devices.sim" in names, names
     assert not any(m.startswith("minioffload.course") for m in sys.modules), "a runtime module imported the course"
     assert not asked, f"runtime modules asked for course-only libraries: {asked}"
 
     import torch
     from torch import nn
 
-    from minioffload.device import device
-    from minioffload.offload import OffloadAdam
+    from minioffload.devices import device
+    from minioffload.engine.optimizer import OffloadAdam
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from minioffload.schedule import Plan, schedule
+from minioffload.predict.schedule import Plan, schedule
 
 
 def test_ops_wait_for_their_deps_and_their_stream_and_share_resources():

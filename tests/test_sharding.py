@@ -1,4 +1,5 @@
-"""Sharded offload (sharding.py, OffloadAdam(shard=)) on 2 gloo ranks spawned from the test, each with its own sim.
+"""Sharded offload (engine/sharding.py, OffloadAdam(shard=)) on 2 gloo ranks spawned from the test, each with
+its own sim.
 
 N ranks training on micro-batches r of each step must give the weights of one process accumulating those N
 micro-batches: bitwise for fp32 (the engine sums two ranks' gradients, scales by a power of two, and adds the
@@ -16,16 +17,15 @@ import torch
 from helpers import HYPER, Toy, batch, loss_of, on_sim, train
 from ranks import run_ranks
 
-from minioffload import checkpoint
-from minioffload.device import device
+from minioffload.devices import device
+from minioffload.engine.optimizer import OffloadAdam
+from minioffload.engine.sharding import Shard
 from minioffload.layout import shard_owners
-from minioffload.models import GPT, GPTConfig
-from minioffload.nvme import Swapper
-from minioffload.offload import OffloadAdam
+from minioffload.model.gpt import GPT, GPTConfig
+from minioffload.model.streaming import ParamStreamer
+from minioffload.nvme.swapper import Swapper
 from minioffload.options import OffloadOptions
-from minioffload.sharding import Shard
-from minioffload.streaming import ParamStreamer
-from minioffload.train import TrainConfig
+from minioffload.train.loop import TrainConfig, checkpoint
 
 
 def make(dev, shard=None, swapper=None, dtype=torch.float32, **options):
@@ -284,7 +284,7 @@ def test_a_rank_that_dies_becomes_an_error_not_a_hang():
 
 def test_sharded_options_are_refused_clearly():
     with pytest.raises(ValueError, match="shard needs torchrun's environment"):
-        from minioffload.train import _join
+        from minioffload.train.loop import _join
         env = {k: v for k, v in os.environ.items()}
         os.environ.pop("WORLD_SIZE", None)
         try:

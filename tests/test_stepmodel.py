@@ -7,10 +7,11 @@ from itertools import pairwise
 
 import pytest
 
-from minioffload import profiles, stepmodel
+from minioffload.machine import profiles
 from minioffload.options import OffloadOptions
-from minioffload.stepmodel import StepConfig, Workload
-from minioffload.stepmodel_types import pack_buckets
+from minioffload.predict import stepmodel
+from minioffload.predict.step_config import pack_buckets
+from minioffload.predict.stepmodel import StepConfig, Workload
 
 N, T = 1_000_000, 1000  # 6 N T = 6e9 FLOP per step
 
@@ -167,7 +168,7 @@ def test_the_update_phase_alone_is_bounded_by_its_host_memory_traffic():
     # fast compute hides little of a synchronous update: streaming the state (24 B/param of DMA) can be no
     # faster than host memory allows, even when the link could go faster; only the state of the first subgroups
     # whose gradients exist (one per scratch set) comes in during backward
-    from minioffload.hybrid_model import scratch_sets
+    from minioffload.predict.hybrid_split import scratch_sets
 
     hw = machine(host_bandwidth=1e9, link_h2d=1e11, link_d2h=1e11, cpu_adam_rate=1e12, device_adam_rate=1e12)
     work = Workload(N, T, "fp32", num_tensors=10)
@@ -201,7 +202,7 @@ def test_streamed_weights_cross_the_link_twice_per_step_and_are_not_uploaded_aft
     pred = streamed(machine(), params_on=home, prefetch=prefetch)
     block = (N - HEAD) // LAYERS * 4  # fp32 weights of one block
     # forward and backward fetch every block, except the last (k + 1) // 2, whose backward comes within k uses of
-    # their forward (streaming.py keeps them); no upload after the update
+    # their forward (model/streaming.py keeps them); no upload after the update
     fetched = 2 * LAYERS - (prefetch + 1) // 2
     assert lane_bytes(pred, "h2d") == fetched * block
     assert lane_bytes(pred, "nvme_read") == (fetched * block if home == "nvme" else 0)
@@ -275,7 +276,7 @@ def test_params_on_device_predicts_what_it_did_before_streaming_existed():
 
 
 def test_workload_of_a_gpt_counts_its_blocks():
-    from minioffload.models import GPT, GPTConfig
+    from minioffload.model.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig.preset("small", vocab_size=74))
     work = Workload.of(model, 128)

@@ -1,15 +1,16 @@
-"""ParamStreamer (streaming.py): streamed training equals unstreamed training, within its budget, on the strict sim."""
+"""ParamStreamer (model/streaming.py):
+streamed training equals unstreamed training, within its budget, on the strict sim."""
 
 import pytest
 import torch
 from torch import nn
 
-from minioffload.activations import POLICIES, Activations
-from minioffload.device_sim import SimDevice
-from minioffload.models import GPT, GPTConfig
-from minioffload.nvme import Swapper
-from minioffload.offload import OffloadAdam
-from minioffload.streaming import ParamStreamer
+from minioffload.devices.sim import SimDevice
+from minioffload.engine.optimizer import OffloadAdam
+from minioffload.model.activations import POLICIES, Activations
+from minioffload.model.gpt import GPT, GPTConfig
+from minioffload.model.streaming import ParamStreamer
+from minioffload.nvme.swapper import Swapper
 
 CFG = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=24, dropout=0.0)
 

@@ -5,8 +5,8 @@ from itertools import pairwise
 
 import pytest
 
-from minioffload import profiles
-from minioffload import streaming_cost as sc
+from minioffload.machine import profiles
+from minioffload.predict import streaming_cost as sc
 from minioffload.units import GB
 
 

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minioffload.nvme import INDEX, SwapIOError, Swapper
+from minioffload.nvme.swapper import INDEX, SwapIOError, Swapper
 from minioffload.pinned import aligned_empty
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,7 +189,7 @@ def test_a_full_disk_gives_its_space_back_and_keeps_every_previous_version(small
 
 WRITER = textwrap.dedent("""
     import sys, torch
-    from minioffload.nvme import Swapper
+    from minioffload.nvme.swapper import Swapper
     from minioffload.pinned import aligned_empty
     swap = Swapper(sys.argv[1])
     version = 0

@@ -1,14 +1,14 @@
-"""The training loop (minioffload/train.py): short runs on the sim device, files, the step-time split."""
+"""The training loop (minioffload/train/loop.py): short runs on the sim device, files, the step-time split."""
 
 import csv
 import json
 
 import pytest
 
-from minioffload.__main__ import main
+from minioffload.cli.main import main
 from minioffload.options import OffloadOptions
 from minioffload.trace import Span
-from minioffload.train import PHASES, TrainConfig, step_phases, train
+from minioffload.train.loop import PHASES, TrainConfig, step_phases, train
 
 SHORT = dict(device="sim", model="tiny", block_size=32, batch_size=8, lr=3e-3, eval_every=5, progress=False)
 
@@ -173,7 +173,7 @@ def test_bad_streaming_settings_are_refused(fields, words):
 
 
 def test_lazy_async_checkpoints_resume_the_run_exactly(tmp_path):
-    from minioffload import checkpoint_async
+    from minioffload.train.loop import checkpoint_async
 
     base = dict(model="tiny", steps=6, batch_size=4, block_size=32, eval_every=100, progress=False)
     straight = train(TrainConfig(**base, out_dir=str(tmp_path / "straight")))

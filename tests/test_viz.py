@@ -7,9 +7,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from minioffload import memory  # noqa: E402
 from minioffload.course import viz  # noqa: E402
-from minioffload.memory import GB  # noqa: E402
+from minioffload.predict import memory  # noqa: E402
+from minioffload.predict.memory import GB  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

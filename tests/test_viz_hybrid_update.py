@@ -9,7 +9,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from minioffload.course.viz.hybrid_update import link_by_phase, memory_by_phase, split_sweep  # noqa: E402
-from minioffload.memory import MiB  # noqa: E402
+from minioffload.predict.memory import MiB  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

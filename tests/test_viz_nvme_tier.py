@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from minioffload.course.viz.nvme_tier import NO_FIT_COLOR, placement_grid, tune_sweep  # noqa: E402
-from minioffload.memory import MiB  # noqa: E402
+from minioffload.predict.memory import MiB  # noqa: E402
 
 ROWS = [{"block_size": b, "workers": w, "write_GBps": b / 2**20 * w, "read_GBps": 2 * b / 2**20 * w}
         for b in (1 << 16, 1 << 20) for w in (1, 2)]

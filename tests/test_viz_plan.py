@@ -7,9 +7,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from minioffload import plan  # noqa: E402
 from minioffload.course import viz  # noqa: E402
-from minioffload.plan_milp import Option, Problem, brute_force, solve  # noqa: E402
+from minioffload.planner import search as plan  # noqa: E402
+from minioffload.planner.milp import Option, Problem, brute_force, solve  # noqa: E402
 from minioffload.trace import Trace  # noqa: E402
 from minioffload.units import GB  # noqa: E402
 

@@ -11,7 +11,7 @@ from matplotlib.colors import to_rgba  # noqa: E402
 
 from minioffload.course import viz  # noqa: E402
 from minioffload.course.viz.style import LANE_COLORS, lane_color, tier_color  # noqa: E402
-from minioffload.memory import GiB, Ledger  # noqa: E402
+from minioffload.predict.memory import GiB, Ledger  # noqa: E402
 from minioffload.trace import LANE_ORDER, Trace  # noqa: E402
 
 MB = 10**6

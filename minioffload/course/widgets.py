@@ -13,9 +13,9 @@ import matplotlib.pyplot as plt
 from IPython.display import display
 from matplotlib.figure import Figure
 
-from .. import plan as planner
-from ..memory import GB, OPTIMIZERS, PLACEMENTS, PRECISIONS
-from ..profiles import PAPER_PRESETS, PRESETS, preset
+from ..machine.profiles import PAPER_PRESETS, PRESETS, preset
+from ..planner import search as planner
+from ..predict.memory import GB, OPTIMIZERS, PLACEMENTS, PRECISIONS
 from ..trace import Trace
 from .viz import footprint_figure, plan_memory, streamed_step, timeline
 

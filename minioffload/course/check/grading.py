@@ -120,7 +120,7 @@ def grade(task_id: str, fn: Callable) -> Verdict:
 @contextmanager
 def sim_device(**options):
     """A sim device for a grader, closed afterwards without letting an error at close hide the real failure."""
-    from ...device import device
+    from ...devices import device
 
     dev = device("sim", **options)
     try:

@@ -1,4 +1,5 @@
-"""Graders for Lab 1, "The memory wall": estimation problems, checked against `minioffload.memory` and the table.
+"""Graders for Lab 1, "The memory wall": estimation problems, checked against `predict.memory` and the
+table.
 
 Each task poses a situation (a model, a precision, a placement, a preset of the hardware table) and asks for a
 quantity; the learner derives it and returns it with its unit (Task 1.1: bytes per parameter, a plain number;
@@ -13,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from ... import memory, profiles
+from ...machine import profiles
+from ...predict import memory
 from .grading import grader
 from .lab01_units import check
 

@@ -10,7 +10,7 @@ every run.
 
 No grader here holds a task's answer. Which waits a schedule needs (2.3) is what the strict simulator's hazard
 checker finds when a wait is left out of `pipeline.overlapped`; the makespan (2.5) is what the runtime's list
-scheduler (schedule.py) makes of the rules, stated as operations and their dependencies.
+scheduler (predict/schedule.py) makes of the rules, stated as operations and their dependencies.
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ from collections.abc import Callable
 
 import torch
 
-from ... import pipeline
-from ...device import Link
-from ...hazards import HazardError
+from ...devices import Link, pipeline
+from ...devices.hazards import HazardError
 from ...pinned import aligned_empty
-from ...schedule import Plan, schedule
+from ...predict.schedule import Plan, schedule
 from ...trace import Span, Trace
 from .grading import grader, sim_device
 
@@ -330,7 +329,7 @@ def overlap_fraction(fn: Callable) -> str:
 
 def scheduled_makespan(num_chunks: int, buffers: int, h2d: float, compute: float, d2h: float) -> float:
     """The lab's rules as a plan: one op per chunk and stage on its stream (a stream runs in order), depending on
-    the ops its waits name; the runtime's list scheduler (schedule.py, the step model's) places each op as early
+    the ops its waits name; the runtime's list scheduler (predict/schedule.py, the step model's) places each op as early
     as those allow. Returns when the last D2H op ends."""
     plan = Plan()
     ops: dict[str, list[int]] = {"h2d": [], "compute": [], "d2h": []}

@@ -1,7 +1,7 @@
 """Graders for Lab 3, "CPU Adam": step constants, the fused loop body, bf16 rounding, bytes moved.
 
-Each grader compares the learner's scalar Python function with the runtime (`minioffload.adam`,
-`minioffload.lowp`) and with torch. Inputs are seeded, so a verdict is the same on every run.
+Each grader compares the learner's scalar Python function with the runtime (`minioffload.kernels.adam`,
+`minioffload.kernels.lowp`) and with torch. Inputs are seeded, so a verdict is the same on every run.
 No answer is typed in here. Task 3.1's constants are read off one step of torch's AdamW (`torch_constants`).
 Task 3.4's counts are measured: `adam._adam_inplace` runs on arrays that log every NumPy operation
 (`inplace_passes`), and each pass of the other versions (the runtime's kernels, torch's copies) runs on
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ... import adam
+from ...kernels import adam
 from .grading import grader
 
 # ---------------------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 from numba.core.errors import NumbaWarning
 
-from ... import adam, hardware
+from ...kernels import adam
+from ...machine import measure as hardware
 from .grading import grader
 
 AGREE_CASES = (  # (hyper-parameters, scale of the gradients); each runs AGREE_STEPS steps on AGREE_N parameters

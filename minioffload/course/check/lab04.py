@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ...device import Link
+from ...devices import Link
 from ...units import format_bytes
 from .grading import grader, sim_device
 

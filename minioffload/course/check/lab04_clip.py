@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ...offload import OffloadAdam
+from ...engine.optimizer import OffloadAdam
 from .grading import grader, sim_device
 
 # ---------------------------------------------------------------------------------------------

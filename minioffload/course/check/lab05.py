@@ -2,7 +2,7 @@
 of the split (5.2), the overlapped schedule of streamed subgroups (5.3), and a stride for a real server (5.4).
 
 Tasks 5.1 and 5.2 compare with the runtime's `hybrid` functions; Task 5.4 checks that no stride's share is closer
-to the fraction that minimises the model's update time (found by search over `hybrid.update_time`), so that this
+to the fraction that minimises the model's update time (found by search over `hybrid_split.update_time`), so that this
 file does not hold the task's answer.
 
 Task 5.3 is stated as what must hold (the same numbers as serial updates, the three orderings the chapter
@@ -25,8 +25,11 @@ from collections.abc import Callable
 
 import torch
 
-from ... import hybrid, profiles
-from ...device import Link
+from ... import layout
+from ...devices import Link
+from ...kernels.device_adam import device_adam
+from ...machine import profiles
+from ...predict import hybrid_split
 from ...trace import Span
 from .grading import grader, sim_device
 
@@ -86,7 +89,7 @@ def device_subgroups(fn: Callable) -> str:
         assert isinstance(got, (tuple, list)) and len(got) == 2, (
             f"{call} returned {got!r:.80}; expected a pair (resident, streamed) of lists")
         resident, streamed = list(got[0]), list(got[1])
-        want = hybrid.device_subgroups(count, **setting)
+        want = layout.device_subgroups(count, **setting)
         if (resident, streamed) != (want[0], want[1]):
             raise AssertionError(f"{call} returned ({resident!s:.60}, {streamed!s:.60}), expected "
                                  f"({want[0]!s:.60}, {want[1]!s:.60}): "
@@ -138,7 +141,7 @@ def split_model(fn: Callable) -> str:
         assert isinstance(got, dict), f"{call}: got {got!r:.60}; expected a dict"
         missing = {"device_rate", "fraction", "speedup"} - got.keys()
         assert not missing, f"{call}: the result has no {sorted(missing)}: best_split returns fraction and speedup"
-        device_rate = hybrid.link_rate(bandwidth)
+        device_rate = hybrid_split.link_rate(bandwidth)
         if not _close(got["device_rate"], device_rate):
             hint = ("that counts 24 B/param: the state goes in on one direction of the link and comes back on the "
                     "other, and the two run at the same time, so each carries 12 B/param"
@@ -146,15 +149,15 @@ def split_model(fn: Callable) -> str:
                     "each streamed parameter moves 12 bytes (fp32 master, exp_avg, exp_avg_sq) each way")
             raise AssertionError(f"{call}: device_rate_from_link gave {_num(got['device_rate'])} params/s, expected "
                                  f"bandwidth / 12 = {device_rate:.4g}: {hint}")
-        want = hybrid.best_split(cpu_rate, device_rate)
+        want = hybrid_split.best_split(cpu_rate, device_rate)
         fraction = got["fraction"]
         if not _close(fraction, want["fraction"]):
             hint = ("that gives the larger share to the slower path: the device's share is r_g / (r_c + r_g)"
                     if _close(fraction, cpu_rate / (cpu_rate + device_rate)) else
                     "balance the two paths: (1 - f) / r_c = f / r_g")
             raise AssertionError(f"{call}: fraction {_num(fraction)}, expected {want['fraction']:.6g}: {hint}")
-        best_on_grid = min(hybrid.update_time(k / GRID, 1, cpu_rate, device_rate) for k in range(GRID + 1))
-        assert hybrid.update_time(fraction, 1, cpu_rate, device_rate) <= best_on_grid * (1 + SPLIT_RTOL), (
+        best_on_grid = min(hybrid_split.update_time(k / GRID, 1, cpu_rate, device_rate) for k in range(GRID + 1))
+        assert hybrid_split.update_time(fraction, 1, cpu_rate, device_rate) <= best_on_grid * (1 + SPLIT_RTOL), (
             f"{call}: fraction {fraction:.6g} is slower than a fraction on the grid")
         if not _close(got["speedup"], want["speedup"]):
             hint = ("that is r_g / r_c, how much faster one path is than the other; the speedup is the CPU-only "
@@ -215,7 +218,7 @@ def _problem(dev) -> tuple[list[dict], list[torch.Tensor]]:
 def _serial(subgroups: list[dict], grads: list[torch.Tensor]) -> list[dict]:
     expected = [{name: sub[name].clone() for name in STATE} for sub in subgroups]
     for k, state in enumerate(expected):
-        hybrid.device_adam(state["master"], grads[k], state["exp_avg"], state["exp_avg_sq"], step=3, **ADAM)
+        device_adam(state["master"], grads[k], state["exp_avg"], state["exp_avg_sq"], step=3, **ADAM)
     return expected
 
 
@@ -277,7 +280,7 @@ def _streamed_run(fn: Callable, what: str, **options):
                                 "streams['adam']"))
             if not all(dev.is_device(state[name]) for name in STATE):
                 problems.append(f"update({k}, ...) was given host tensors: pass it the scratch views")
-            hybrid.device_adam(state["master"], grads[k], state["exp_avg"], state["exp_avg_sq"], step=3, **ADAM)
+            device_adam(state["master"], grads[k], state["exp_avg"], state["exp_avg_sq"], step=3, **ADAM)
 
         try:
             fn(dev, subgroups, scratch, streams, update)
@@ -346,12 +349,12 @@ SEARCH_STEPS = 200  # of the ternary search for the best fraction: far below flo
 
 
 def modelled_best_fraction(cpu_rate: float, bandwidth: float) -> float:
-    """The fraction that minimises the model's update time (`hybrid.update_time`, with the device path's rate over
-    the link, `hybrid.link_rate`), found by ternary search: the time falls, then rises, as the fraction grows."""
-    device_rate = hybrid.link_rate(bandwidth)
+    """The fraction that minimises the model's update time (`hybrid_split.update_time`, with the device path's rate over
+    the link, `hybrid_split.link_rate`), found by ternary search: the time falls, then rises, as the fraction grows."""
+    device_rate = hybrid_split.link_rate(bandwidth)
 
     def time_at(f: float) -> float:
-        return hybrid.update_time(f, 1, cpu_rate, device_rate)
+        return hybrid_split.update_time(f, 1, cpu_rate, device_rate)
 
     low, high = 0.0, 1.0
     for _ in range(SEARCH_STEPS):
@@ -381,7 +384,7 @@ def best_stride(fn: Callable) -> str:
             continue
         want = closest[0]
         hint = (f"the best fraction is {f:.3f}; stride k streams 1/k of the subgroups, and 1/{want} is the closest "
-                f"share (round(1 / f) or int(1 / f) can miss it: hybrid.nearest_stride picks it)"
+                f"share (round(1 / f) or int(1 / f) can miss it: hybrid_split.nearest_stride picks it)"
                 if isinstance(got, int) else "return the stride as an int")
         if bandwidth is None and isinstance(got, int) and got in _closest_strides(modelled_best_fraction(cpu_rate,
                                                                                                        GEN4)):

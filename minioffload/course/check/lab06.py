@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ...memory import GB, MODELS, PRECISIONS, TIERS, footprint
 from ...pinned import ALIGNMENT, aligned_empty
+from ...predict.memory import GB, MODELS, PRECISIONS, TIERS, footprint
 from .grading import grader
 
 

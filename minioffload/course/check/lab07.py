@@ -17,10 +17,10 @@ from collections.abc import Callable
 
 import torch
 
-from ... import profiles
-from ...activation_cost import BlockShape, best_policy, policy_costs
-from ...activations import POLICIES, Activations
-from ...models import GPT, GPTConfig
+from ...machine import profiles
+from ...model.activations import POLICIES, Activations
+from ...model.gpt import GPT, GPTConfig
+from ...predict.activation_cost import BlockShape, best_policy, policy_costs
 from .grading import grader, sim_device
 
 MIN_NUMEL = 1024  # saved tensors smaller than this stay on the device (the runtime's default min_numel)

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...activations import Activations
-from ...hazards import HazardError
-from ...models import GPT
+from ...devices.hazards import HazardError
+from ...model.activations import Activations
+from ...model.gpt import GPT
 from ...pinned import is_pinned
 from .grading import grader, sim_device
 from .lab07 import JITTER, MIN_NUMEL, _batch, _gpt, _storage

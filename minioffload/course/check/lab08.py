@@ -20,8 +20,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ...models import GPT, GPTConfig
-from ...streaming import ParamStreamer
+from ...model.gpt import GPT, GPTConfig
+from ...model.streaming import ParamStreamer
 from .grading import grader, sim_device
 
 VOCAB, SEQ, BATCH = 40, 32, 4

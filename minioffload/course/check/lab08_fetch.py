@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ...hazards import HazardError
+from ...devices.hazards import HazardError
 from ...pinned import is_pinned
 from .grading import grader, sim_device
 from .lab08 import JITTER, _batch, _gpt

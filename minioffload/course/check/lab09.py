@@ -4,7 +4,7 @@ Task 9.2 (a plan's tokens per second, the planner's objective) is graded in lab0
 choice of activation policies and hybrid split) in lab09_search.py.
 
 Task 9.1 is checked against the planner's own count, asked through its parts: `plan._state_bytes` (the weights,
-gradients and optimizer state of a placement, by memory.py's footprint, engine_bytes or streamed_bytes) and
+gradients and optimizer state of a placement, by predict/memory.py's footprint, engine_bytes or streamed_bytes) and
 `plan._problem` (each activation policy's bytes per block and the offloaded set in flight, and what the planner adds
 outside the blocks: the block in backward and the logits). When the learner's bytes equal what a plausible mistake
 gives, the verdict names it. Verdicts carry counts and sizes, never timings.
@@ -17,9 +17,11 @@ import functools
 import math
 from collections.abc import Callable
 
-from ... import memory, plan, profiles
-from ...activation_cost import POLICIES
-from ...plan_types import ModelSpec
+from ...machine import profiles
+from ...planner import search as plan
+from ...planner.plan import ModelSpec
+from ...predict import memory
+from ...predict.activation_cost import POLICIES
 from ...units import GB, GiB, MiB
 from .grading import grader
 
@@ -86,7 +88,7 @@ class Parts:
 
 
 def parts(case: Case, precision: str | None = None) -> Parts:
-    """plan.py's count of `case` (its activations at `precision`'s value size when given)."""
+    """planner/search.py's count of `case` (its activations at `precision`'s value size when given)."""
     limits = dataclasses.replace(case.limits, precision=precision or case.limits.precision)
     capacity = limits.capacity(case.hw)
     state = plan._state_bytes(case.model, case.config, case.limits.precision)

@@ -6,7 +6,7 @@ the same on that preset as a shared host like the simulated device, with a lower
 and a GPT-3 1.3B in bf16 on an RTX 4090 with NVMe), and for each the first plan of every family (where the optimizer
 and the weights live, the delayed update, the hybrid split) and every number of micro-batches. The learner gets each
 plan with its predictions blanked (step_s 0, no busy lanes, no bound) and must give its tokens/s to 1e-6. A mismatch is
-named when it equals what a plausible mistake gives, priced by plan.py's own parts (plan.prediction, plan._compute_s,
+named when it equals what a plausible mistake gives, priced by the search's own parts (plan.prediction, plan._compute_s,
 plan._accumulation_s). Verdicts carry counts, never timings.
 """
 
@@ -17,9 +17,11 @@ import functools
 import math
 from collections.abc import Callable
 
-from ... import plan, profiles, stepmodel
-from ...activation_cost import BlockShape, policy_costs
-from ...plan_types import ModelSpec, Plan
+from ...machine import profiles
+from ...planner import search as plan
+from ...planner.plan import ModelSpec, Plan
+from ...predict import stepmodel
+from ...predict.activation_cost import BlockShape, policy_costs
 from ...units import GB, MiB
 from .grading import grader
 

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from ...plan_milp import BRUTE_FORCE_LIMIT, Option, Problem, brute_force, solve
+from ...planner.milp import BRUTE_FORCE_LIMIT, Option, Problem, brute_force, solve
 from .grading import grader
 
 RANDOM_SMALL = 120

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...device_common import Link
+from ...devices.common import Link
 from .grading import grader
 from .lab10_ranks import ThreadGroup
 

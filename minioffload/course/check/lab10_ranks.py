@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ...device import device
-from ...hazards import HazardError
+from ...devices import device
+from ...devices.hazards import HazardError
 
 TIMEOUT_S = 60.0
 

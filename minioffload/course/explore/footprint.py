@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from ...memory import OPTIMIZERS, PLACEMENTS, PRECISIONS, TIERS, footprint
+from ...predict.memory import OPTIMIZERS, PLACEMENTS, PRECISIONS, TIERS, footprint
 from ..viz.style import PART_COLORS
 from .chart import Chart
 
@@ -104,7 +104,7 @@ def footprint_chart(num_params: float = 7e9, precision: str = "mixed_bf16", opti
         "encoding": {"text": {"field": "line"}},
     }
     spec = {
-        "description": "Bytes per tier of a training setup (minioffload.memory.footprint) against the GPU's memory",
+        "description": "Bytes per tier of a training setup (predict.memory.footprint) against the GPU's memory",
         "params": params,
         "datasets": {"footprint": footprint_table()},
         "data": {"name": "footprint"},

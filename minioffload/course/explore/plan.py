@@ -26,9 +26,9 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 
-from ... import plan as planner
-from ...plan_types import HOMES
-from ...profiles import PAPER_PRESETS, PRESETS, preset
+from ...machine.profiles import PAPER_PRESETS, PRESETS, preset
+from ...planner import search as planner
+from ...planner.plan import HOMES
 from ...units import GB, format_bytes
 from ..viz.style import tier_color
 from .chart import Chart
@@ -180,7 +180,7 @@ def plan_chart(size: float = 70e9, hardware: str = "h100-sxm", host_gb: float = 
         "encoding": {"y": {"field": "rank", "type": "ordinal", "axis": None}, "text": {"field": "text"}},
     }
     spec = {
-        "description": "The planner's best plan of each kind on a precomputed grid (minioffload.plan.search)",
+        "description": "The planner's best plan of each kind on a precomputed grid (minioffload.planner.search.search)",
         "title": {"text": "Best plan of each kind: bytes per tier against capacity (dashed)", "anchor": "start",
                   "subtitle": f"batch {g['batch']}; grid precomputed with plan.search; red outline: over capacity"},
         "params": params,

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...memory import GB
-from ...stepmodel import StepConfig, Workload, predict
+from ...predict.memory import GB
+from ...predict.stepmodel import StepConfig, Workload, predict
 from ..viz.style import lane_color
 from .chart import Chart
 
@@ -125,7 +125,7 @@ def streaming_chart(work: Workload, hw, prefetch: int = 1, budget_blocks: int = 
         "encoding": {"text": {"field": "text"}},
     }
     spec = {
-        "description": "The step model's streamed step (minioffload.stepmodel.predict) by depth, budget, link, home",
+        "description": "The step model's streamed step (predict.stepmodel.predict) by depth, budget, link, home",
         "title": {"text": "A step with streamed weights, predicted", "anchor": "start",
                   "subtitle": f"every (depth, link, home) predicted in Python: {len(steps)} steps"},
         "params": params,

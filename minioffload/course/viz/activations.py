@@ -3,7 +3,7 @@ overhead against the link's bandwidth, measured beside the cost model's.
 
 Pure functions: numbers in, a matplotlib Figure out (plus `ledger_series`, the numbers behind the first figure).
 What this is not: the measurement (the chapter's cells, bench/activations.py) nor the cost model
-(`minioffload.activation_cost`); these only draw what those produced.
+(`minioffload.predict.activation_cost`); these only draw what those produced.
 """
 
 from __future__ import annotations

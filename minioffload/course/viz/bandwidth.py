@@ -1,6 +1,6 @@
 """Figure for copy bandwidth against transfer size, pinned vs pageable, per direction.
 
-Pure function over the rows `minioffload.hardware.copy_bandwidth_sweep` returns; no measuring here.
+Pure function over the rows `minioffload.machine.measure.copy_bandwidth_sweep` returns; no measuring here.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
-from minioffload.profiles import ADAM_BYTES_PER_PARAM
+from minioffload.machine.profiles import ADAM_BYTES_PER_PARAM
 
 USEFUL_COLOR = "tab:blue"
 

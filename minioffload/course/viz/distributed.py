@@ -30,7 +30,7 @@ from ...units import format_bytes
 from .style import fallback_color
 from .timeline import _label_spans, _message_figure, lane_rows
 
-NET = "net"  # the lane of the collectives (sharding.py records reduces and broadcasts there)
+NET = "net"  # the lane of the collectives (engine/sharding.py records reduces and broadcasts there)
 SUBGROUP_COLORS = ("#4C72B0", "#9DB4D8")  # a rank's subgroups alternate between them
 
 

@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
-from ...memory import GB, PLACEMENTS, TIERS, footprint
+from ...predict.memory import GB, PLACEMENTS, TIERS, footprint
 from .style import PART_COLORS, PLACEMENT_STYLES
 
 

@@ -6,7 +6,8 @@ Pure functions: measured numbers in, a matplotlib Figure out.
     link_by_phase({label: {phase: {"d2h": B, "h2d": B}}}, num_params)    # bars of B/param per phase and direction
     split_sweep(cpu_only, strides, fractions, curves, f_star, picked)    # update phase against the device's share
 
-What this is not: the measurement (course.instrument reads the ledger and the trace) nor the model (hybrid.py).
+What this is not: the measurement (course.instrument reads the ledger and the trace) nor the model
+(predict/hybrid_split.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
-from ...memory import MiB
+from ...predict.memory import MiB
 from .style import lane_color
 
 PHASE_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "update": "#C44E52"}

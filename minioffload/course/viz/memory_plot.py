@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
-from ...memory import Ledger
+from ...predict.memory import Ledger
 from ...units import format_bytes
 from .style import tier_color
 

@@ -5,7 +5,7 @@ Pure functions: numbers in, a matplotlib Figure out.
     tune_sweep(rows, file_bytes, fio={"write": GB/s, "read": GB/s})   # rows of nvme_tune.tune: GB/s per setting
     placement_grid({(model, host): placement}, models, hosts)          # the least offloaded placement that fits
 
-What this is not: the tuner (nvme_tune.py) nor the calculator (memory.first_placement_that_fits).
+What this is not: the tuner (nvme/tune.py) nor the calculator (memory.first_placement_that_fits).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
-from ...memory import MiB
+from ...predict.memory import MiB
 from .style import PLACEMENT_STYLES
 
 NO_FIT_COLOR = "#EE9A9A"

@@ -4,7 +4,7 @@ exact program chooses as device memory shrinks, a predicted step beside a measur
 Pure functions: plans, solutions or traces in, a matplotlib Figure out; `widgets.plan_explorer` wraps
 `plan_memory`, tests call them directly.
 
-What this is not: the planner (plan.py searches, plan_milp.py solves) or a measurement; a figure draws what it is
+What this is not: the planner (planner/search.py searches, milp.py solves) or a measurement; a figure draws what it is
 given, and says so in words when that is nothing.
 """
 
@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
-from ...plan_types import HOMES, Plan
+from ...planner.plan import HOMES, Plan
 from ...trace import LANE_ORDER, Trace
 from ...units import format_bytes
 from .style import fallback_color, tier_color

@@ -3,7 +3,7 @@
 Pure function: rows in, a matplotlib Figure out. A row is {"name", "predicted_s", "measured_s"} (the keys
 `stepmodel.compare` returns, plus a name); the ratio predicted / measured is written above each pair.
 
-What this is not: the model (stepmodel.py) or a timeline (viz.timeline draws `Prediction.trace`).
+What this is not: the model (predict/stepmodel.py) or a timeline (viz.timeline draws `Prediction.trace`).
 """
 
 from __future__ import annotations

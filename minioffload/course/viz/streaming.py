@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from matplotlib.figure import Figure
 
-from ...stepmodel import StepConfig, Workload, predict
+from ...predict.stepmodel import StepConfig, Workload, predict
 from .timeline import _message_figure, timeline
 
 

@@ -2,7 +2,7 @@
 against each depth's budget, the window of k + 1 blocks that depth k holds.
 
 Pure functions: `held_series` turns ledger events into the numbers, `window_memory` draws them.
-What this is not: the streamer (`minioffload.streaming`) nor its budget check (`streaming.plan`); the chapter runs
+What this is not: the streamer (`minioffload.model.streaming`) nor its budget check (`streaming.plan`); the chapter runs
 those and hands the ledger's history here.
 """
 

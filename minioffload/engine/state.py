@@ -1,0 +1,136 @@
+"""OffloadAdam's checkpoint: what `state_dict()` saves and how `load_state_dict()` puts it back.
+
+The truth of an offloaded run is on the host (or the disk): per parameter its step count, fp32 master
+weights and moments. A checkpoint holds those (in param_groups order, as CPU tensors), the param groups'
+settings, the loss-scale state, the small parameters kept on the device (torch's AdamW state) and, with
+a delayed update, which parameters' weights it had not sent yet (`unsent`), so that a checkpoint loaded
+together with the model's own state_dict (whose weights are one update behind) continues bit for bit.
+
+Sharded (chapter 10): each rank saves the parameters it owns, under the same indices as one process would, and
+loads those it owns from any checkpoint that has them: train/checkpoint.py puts the ranks' parts in one directory with
+torch.distributed.checkpoint, and loads them onto any number of ranks.
+
+What this is not: a file format or an asynchronous checkpoint (chapter 11).
+"""
+
+from __future__ import annotations
+
+from ..layout import STATE, Where
+from .delayed import DelayedUpdate
+from .sharding import WeightGather
+
+
+def save(opt) -> dict:
+    """The state of `opt` (an OffloadAdam), after its update work has finished."""
+    opt._quiesce()
+    slots = list(opt._slots.values())
+    unsent = {id(slot) for slot in opt.delayed.unsent} if opt.delayed else set()
+    on_disk = opt._read_state(*STATE)
+    state = {}
+    for index, slot in enumerate(slots):
+        if not opt._mine(slot.subgroup):
+            continue  # another rank's part
+        buffers = on_disk.get(id(slot.subgroup), slot.subgroup.buffers)
+        state[index] = {"step": slot.step, "shape": tuple(slot.param.shape),
+                        **{name: slot.view(buffers[name]).to("cpu", copy=True) for name in STATE}}
+    return {"state": state, "params": len(slots),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            "loss_scale": {"scale": opt.scale, "clean_steps": opt.clean_steps, "skipped": opt.skipped_steps},
+            "updates": opt.updates,
+            "unsent": [i for i, slot in enumerate(slots) if id(slot) in unsent],
+            "kept_shapes": [tuple(p.shape) for p in opt.kept],
+            "kept": None if opt._device_opt is None else opt._device_opt.state_dict()}
+
+
+def check(opt, state_dict: dict) -> None:
+    """Refuse a checkpoint of another model (ValueError naming what differs); changes nothing."""
+    slots = list(opt._slots.values())
+    saved = state_dict.get("state", {})
+    groups = state_dict.get("param_groups", [])
+    total = state_dict.get("params", len(saved))
+    if total != len(slots) or len(groups) != len(opt.param_groups):
+        raise ValueError(f"checkpoint holds {total} parameters in {len(groups)} groups; this optimizer has "
+                         f"{len(slots)} in {len(opt.param_groups)}: is it from another model?")
+    owned = [index for index, slot in enumerate(slots) if opt._mine(slot.subgroup)]
+    missing = [index for index in owned if index not in saved]
+    if missing:
+        raise ValueError(f"checkpoint lacks parameters {missing[:8]}{' ...' if len(missing) > 8 else ''} that this "
+                         "optimizer updates: it is one rank's part; load the whole sharded checkpoint "
+                         "(minioffload.train.checkpoint.load) instead")
+    for index in owned:
+        slot = slots[index]
+        if tuple(saved[index]["shape"]) != tuple(slot.param.shape):
+            raise ValueError(f"checkpoint parameter {index} has shape {tuple(saved[index]['shape'])}, this "
+                             f"model's has {tuple(slot.param.shape)}: is it from another model?")
+    kept_shapes = [tuple(shape) for shape in state_dict.get("kept_shapes", [])]
+    if kept_shapes != [tuple(p.shape) for p in opt.kept]:
+        raise ValueError(f"checkpoint keeps {len(kept_shapes)} small parameters on the device, this optimizer "
+                         f"{len(opt.kept)} (or their shapes differ): same model and min_offload_numel?")
+
+
+def load(opt, state_dict: dict) -> None:
+    """Restore `state_dict` into `opt`. The model's weights are set to the masters, rounded to their dtype,
+    except those a delayed update had not sent when the checkpoint was taken: with delayed updates on, they
+    are sent at the next step(), as they would have been (load the model's state_dict as well)."""
+    opt._quiesce()
+    if opt.device_path is not None:
+        opt.device_path.cancel()  # state a backward brought in is the old state: fetch it again
+    check(opt, state_dict)
+    slots = list(opt._slots.values())
+    saved = state_dict["state"]
+    for group, saved_group in zip(opt.param_groups, state_dict["param_groups"], strict=True):
+        group.update(saved_group)
+    positions = {id(slot): index for index, slot in enumerate(slots)}
+    for index, slot in enumerate(slots):
+        if not opt._mine(slot.subgroup):
+            continue
+        slot.step = saved[index]["step"]
+        if opt.nvme is None or slot.subgroup.where != Where.CPU:
+            for name in STATE:
+                slot.view(slot.subgroup.buffers[name]).copy_(saved[index][name])
+    if opt.shard is not None:
+        _share_weights(opt, saved, positions)
+    elif opt.nvme is not None:  # NVMe tier: each subgroup's state goes to the disk and its weights up
+        for sub in opt.nvme.visit(opt._on_cpu()):
+            for slot in sub.slots:
+                for name in STATE:
+                    slot.view(sub.buffers[name]).copy_(saved[positions[id(slot)]][name])
+            opt._upload(sub.slots)
+    if opt._device_opt is not None:
+        opt._device_opt.load_state_dict(state_dict["kept"])
+    scale = state_dict["loss_scale"]
+    opt.scale, opt.clean_steps, opt.skipped_steps = scale["scale"], scale["clean_steps"], scale["skipped"]
+    opt.updates = state_dict.get("updates", 0)
+    unsent = set(state_dict.get("unsent", [])) if opt.delayed else set()
+    if opt.delayed:
+        opt.delayed.unsent = [slot for index, slot in enumerate(slots) if index in unsent]
+        if opt.delayed.unsent and opt._uploaded is not None:
+            opt._uploaded.synchronize()  # an earlier upload may still read the upload buffers
+        for slot in opt.delayed.unsent:
+            DelayedUpdate.stash(slot)
+    if opt.nvme is None and opt.shard is None:
+        opt._upload([slot for index, slot in enumerate(slots)
+                     if index not in unsent and slot.subgroup.where == Where.CPU])
+    for slot in slots:
+        if slot.subgroup.where != Where.CPU:  # updated on the device: its weights are written directly
+            slot.param.data.copy_(opt._master(slot))
+    if opt.streamer is not None:
+        opt.streamer.updated()  # streamed weights: written home
+    opt._uploaded = opt.dev.event()
+    opt._uploaded.record(opt.h2d)
+    opt._next_forward_waits()
+
+
+def _share_weights(opt, saved: dict, positions: dict) -> None:
+    """Sharded: each owner's state to its disk (NVMe tier), its weights up and broadcast to every rank."""
+    if opt.streamer is not None:
+        opt.streamer.quiesce()  # homes change below
+    gather = WeightGather(opt.shard, opt.dev, opt._write_weights, in_flight=2 * opt.shard.world)
+    own = opt.nvme.visit(opt._on_cpu()) if opt.nvme is not None else opt._on_cpu()
+    for sub in opt._interleave(own, {id(slot) for slot in opt._slots.values()}, gather):
+        if opt.nvme is not None:
+            for slot in sub.slots:
+                for name in STATE:
+                    slot.view(sub.buffers[name]).copy_(saved[positions[id(slot)]][name])
+        opt._send_subgroup(sub, gather)
+    gather.finish()

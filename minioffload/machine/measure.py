@@ -1,0 +1,205 @@
+"""Measure this machine: memory bandwidth, copy bandwidth and costs, matmul FLOP/s, CPU Adam rate, disk rates.
+
+`host_memory_bandwidth()` times a large host copy; `adam_roofline()` a kernel with Adam's access pattern.
+`copy_bandwidth(dev, ...)` times host<->device copies of a range of sizes from pinned and from pageable
+memory, on the sim device (where the result follows its link model, plus the real cost of queuing work) or
+on a real GPU (where it is the PCIe or NVLink-C2C link); `copy_costs(dev)` the fixed cost of one small copy.
+`matmul_flops()`, `cpu_adam_rate()` and `disk_bandwidth(dir)` time the rest. `profiles.probe()` collects
+these into a profile of this machine beside the cited presets of the hardware table.
+
+What this is not: a benchmark suite. Each function runs a few repeats and reports the median;
+`bench/` is where contenders are compared side by side.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Iterable
+
+import numba
+import numpy as np
+import torch
+from numba import prange
+
+from ..units import MiB
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: first touch, allocator, thread start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def host_memory_bandwidth(nbytes: int = 256 * MiB, repeats: int = 5) -> float:
+    """Bytes per second a host-to-host copy moves, counting the read and the write (2 x nbytes per copy)."""
+    if nbytes <= 0 or repeats <= 0:
+        raise ValueError(f"nbytes and repeats must be positive, got {nbytes} and {repeats}")
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / _median_seconds(lambda: dst.copy_(src), repeats)
+
+
+DEFAULT_SIZES = tuple(2**k for k in range(16, 27, 2))  # 64 KiB ... 64 MiB
+
+
+def copy_bandwidth(dev, sizes: Iterable[int] = DEFAULT_SIZES, pinned: bool = True, direction: str = "h2d",
+                   repeats: int = 3) -> list[dict]:
+    """One row per size: {"bytes", "direction", "pinned", "seconds", "bytes_per_s"} (median of `repeats`).
+
+    Each timed copy is issued and then waited for (`dev.synchronize()`), so small copies pay the fixed
+    cost of a launch, as they do on a GPU.
+    """
+    if direction not in ("h2d", "d2h"):
+        raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
+    stream = dev.stream(f"bandwidth {direction}")
+    rows = []
+    for nbytes in sizes:
+        if nbytes < 4 or nbytes % 4:
+            raise ValueError(f"sizes must be positive multiples of 4 bytes, got {nbytes}")
+        host = dev.host_empty(nbytes // 4, pinned=pinned)
+        on_device = dev.empty(nbytes // 4, name="bandwidth probe")
+        dst, src = (on_device, host) if direction == "h2d" else (host, on_device)
+
+        def one_copy(dst: torch.Tensor = dst, src: torch.Tensor = src) -> None:
+            dev.copy(dst, src, stream)
+            dev.synchronize()
+
+        seconds = _median_seconds(one_copy, repeats)
+        rows.append({"bytes": nbytes, "direction": direction, "pinned": pinned, "seconds": seconds,
+                     "bytes_per_s": nbytes / seconds})
+        del host, on_device, dst, src, one_copy  # free the device buffer before the next size
+    return rows
+
+
+def copy_bandwidth_sweep(dev, sizes: Iterable[int] = DEFAULT_SIZES, repeats: int = 3) -> list[dict]:
+    """`copy_bandwidth` for both directions, from pinned and from pageable memory."""
+    sizes = list(sizes)
+    return [row for direction in ("h2d", "d2h") for pinned in (True, False)
+            for row in copy_bandwidth(dev, sizes, pinned, direction, repeats)]
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def _seven_streams(param, grad, exp_avg, exp_avg_sq):
+    # Adam's memory traffic with almost no arithmetic: read 4 arrays, write 3 (28 B per element).
+    for i in prange(param.size):
+        g = grad[i]
+        param[i] += g
+        exp_avg[i] += g
+        exp_avg_sq[i] += g
+
+
+def adam_roofline(num_params: int = 50_000_000, repeats: int = 5) -> float:
+    """Bytes per second of a STREAM-like kernel with Adam's access pattern (4 reads, 3 writes per element).
+
+    The fastest an fp32 Adam that moves 28 B per parameter can go on this machine is this figure
+    divided by 28. Runs on the threads `numba.set_num_threads` allows. Arrays of `num_params` fp32
+    (4 of them: 800 MB at the default) must be much larger than the caches to measure memory.
+    """
+    if num_params <= 0 or repeats <= 0:
+        raise ValueError(f"num_params and repeats must be positive, got {num_params} and {repeats}")
+    arrays = [np.ones(num_params, np.float32) for _ in range(4)]
+    seconds = _median_seconds(lambda: _seven_streams(*arrays), repeats)
+    return 28 * num_params / seconds
+
+
+def cpu_adam_rate(num_params: int = 20_000_000, repeats: int = 3, threads: int | None = None) -> float:
+    """Params per second of chapter 3's fused fp32 AdamW (`adam.adam_fused`) on `threads` threads (default: all
+    numba allows)."""
+    from ..kernels.adam import adam_fused
+
+    if num_params <= 0 or repeats <= 0:
+        raise ValueError(f"num_params and repeats must be positive, got {num_params} and {repeats}")
+    param, grad = np.ones(num_params, np.float32), np.full(num_params, 1e-3, np.float32)
+    exp_avg, exp_avg_sq = np.zeros_like(param), np.zeros_like(param)
+    steps = iter(range(1, 1 << 30))
+    before = numba.get_num_threads()
+    numba.set_num_threads(threads or numba.config.NUMBA_NUM_THREADS)
+    try:
+        seconds = _median_seconds(lambda: adam_fused(param, grad, exp_avg, exp_avg_sq, step=next(steps), lr=1e-3),
+                                  repeats)
+    finally:
+        numba.set_num_threads(before)
+    return num_params / seconds
+
+
+def matmul_flops(n: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of an n x n matmul in `dtype` on this CPU (2 n^3 per product): the sim device's peak compute.
+    A peak, so the fastest of `repeats` (a busy machine slows some of them). A CPU with bf16 matrix units runs
+    bf16 matmuls far faster than fp32 ones; one without them, far slower."""
+    if n <= 0 or repeats <= 0:
+        raise ValueError(f"n and repeats must be positive, got {n} and {repeats}")
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    torch.mm(a, b, out=out)  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def disk_bandwidth(directory, nbytes: int = 64 * MiB, keys: int = 12) -> dict:
+    """{"read", "write"} bytes/s through the Swapper (O_DIRECT, checksums, durable commits) in `directory`,
+    as the NVMe tier uses it: `nbytes` split into `keys` files written three at a time, then read back three at
+    a time. Per-file commits (fsync, index) are included: this is the rate the runtime gets, below a
+    drive's sequential figure."""
+    from ..nvme.swapper import Swapper
+    from ..pinned import aligned_empty
+
+    if keys < 1 or nbytes < keys * 4096:
+        raise ValueError(f"need keys >= 1 and at least 4 KiB per key, got nbytes={nbytes}, keys={keys}")
+    per_key = nbytes // keys // 4096 * 4096
+    data = [aligned_empty(per_key, pin=False) for _ in range(keys)]
+    for buffer in data:
+        buffer.copy_(torch.randint(0, 256, (per_key,), dtype=torch.uint8))  # not zeros: some drives compress
+    with Swapper(directory) as swap:
+        start = time.perf_counter()
+        for first in range(0, keys, 3):
+            for future in [swap.write(f"k{i}", data[i]) for i in range(first, min(keys, first + 3))]:
+                future.result()
+        written = time.perf_counter()
+        for first in range(0, keys, 3):
+            for future in [swap.read(f"k{i}", into=data[i]) for i in range(first, min(keys, first + 3))]:
+                future.result()
+        read = time.perf_counter()
+    total = per_key * keys
+    return {"read": total / (read - written), "write": total / (written - start)}
+
+
+def copy_costs(dev, copies: int = 200, numel: int = 1024, tries: int = 3) -> dict:
+    """The fixed costs of one small copy on `dev`, as the offload engine issues it for each gradient: {"issue":
+    host seconds to count the tensor, order the copy after compute, enqueue it and record its event;
+    "latency": seconds each copy takes on its stream beyond bytes / bandwidth}. Many small copies pay these,
+    not bandwidth: the reason to copy per subgroup or bucket rather than per tensor. The best of `tries`
+    (a busy machine only ever adds to either)."""
+    if copies <= 0 or numel <= 0 or tries <= 0:
+        raise ValueError(f"copies, numel and tries must be positive, got {copies}, {numel} and {tries}")
+    stream = dev.stream("copy costs")
+    host = dev.host_empty(numel)
+    on_device = dev.empty(numel, name="copy cost probe")
+    dev.copy(on_device, host, stream)  # warm-up
+    dev.synchronize()
+    bandwidth = dev.links["d2h"].bandwidth if hasattr(dev, "links") else float("inf")
+    issue = latency = math.inf
+    for _ in range(tries):
+        sources = [torch.ones(numel) for _ in range(copies)]
+        start = time.perf_counter()
+        for source in sources:
+            dev.adopt(source, "copy cost probe")
+            dev.stream_waits_for_compute(stream)
+            dev.copy(host, source, stream)
+            dev.event().record(stream)
+        issued = time.perf_counter()
+        dev.synchronize()
+        done = time.perf_counter()
+        issue = min(issue, (issued - start) / copies)
+        latency = min(latency, max(0.0, (done - start) / copies - 4 * numel / bandwidth))
+        del sources
+    return {"issue": issue, "latency": latency}

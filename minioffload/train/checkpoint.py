@@ -1,0 +1,88 @@
+"""A training run's checkpoint in one directory, written by every rank with torch.distributed.checkpoint (DCP).
+
+    checkpoint.save("ckpt/step100", model, opt, extra={"step": 100})   # every rank calls it (or one process)
+    extra = checkpoint.load("ckpt/step100", model, opt)                # on any number of ranks
+    checkpoint.export("ckpt/step100", "step100.pt")                    # the whole state in one torch.save file
+
+What goes in: the model's state dict (the same on every rank: DCP writes it once) and OffloadAdam's
+(engine/state.py), whose per-parameter entries each rank fills only for the parameters it owns, under the
+indices one process would use. So the parts written by N ranks fit together, and M ranks loading it each ask
+DCP for exactly the parameters they own under their own shard map: a checkpoint saved on 2 ranks loads on 1,
+and the other way round. `extra` holds anything small the loop needs back (the step, the data position).
+
+What this is not: asynchronous (chapter 11 overlaps the write with training), nor a copy of the NVMe tier's
+files (the state is read from them and written into the checkpoint).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
+
+
+def _state(model, opt, extra: dict | None) -> dict:
+    optimizer = opt.state_dict()
+    optimizer["state"] = {str(index): entry for index, entry in optimizer["state"].items()}  # DCP's keys are str
+    return {"model": model.state_dict(), "optimizer": optimizer, "extra": dict(extra or {})}
+
+
+def save(path, model, opt, extra: dict | None = None) -> Path:
+    """Write the state of `model` and `opt` (an OffloadAdam, sharded or not) into directory `path`; a collective
+    when torch.distributed is initialised (every rank calls it). Returns the path."""
+    path = Path(path)
+    state = _state(model, opt, extra)
+    with warnings.catch_warnings():  # one process without a group: DCP says it runs without one, as it should
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(path))
+    return path
+
+
+def load(path, model, opt) -> dict:
+    """Load a checkpoint written by `save` on any number of ranks into `model` and `opt`; returns its `extra`.
+    Refuses (changing nothing) a directory without a checkpoint, or one of another model."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise ValueError(f"{path} holds no checkpoint (no .metadata file): give the directory checkpoint.save wrote")
+    state = _state(model, opt, None)  # what this rank needs, in the right shapes: DCP fills it in place
+    state["model"] = {key: value.clone() for key, value in state["model"].items()}  # the model changes last
+    state["extra"] = {key: None for key in _saved_extra_keys(path)}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as err:  # DCP names the key that differs: say what that means
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        raise ValueError(f"{path} does not match this model and optimizer ({lines[-1][:300]}): is it from "
+                         "another model or optimizer setting?") from err
+    state["optimizer"]["state"] = {int(index): entry for index, entry in state["optimizer"]["state"].items()}
+    opt.load_state_dict(state["optimizer"])  # checks shapes before it changes anything
+    model.load_state_dict(state["model"])
+    if dist.is_initialized():
+        dist.barrier()
+    return state["extra"]
+
+
+def _saved_extra_keys(path: Path) -> list[str]:
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return sorted({key.split(".", 2)[1] for key in metadata.state_dict_metadata if key.startswith("extra.")})
+
+
+def export(path, out_file) -> Path:
+    """The whole checkpoint in one `torch.save` file (nested dicts, as `save` was given them); no group needed."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    out_file = Path(out_file)
+    dcp_to_torch_save(str(path), str(out_file))
+    return out_file
+
+
+def load_exported(out_file) -> dict:
+    """An exported checkpoint's state, {"model": ..., "optimizer": ..., "extra": ...}, ready for
+    `model.load_state_dict` and `opt.load_state_dict` in one process."""
+    state = torch.load(out_file, weights_only=False)
+    state["optimizer"]["state"] = {int(index): entry for index, entry in state["optimizer"]["state"].items()}
+    return state

@@ -1,0 +1,280 @@
+"""Lazy asynchronous checkpoints of an offloaded run (chapter 11, after DataStates-LLM): `save()` returns at once, a
+background writer writes the training state while the next forward and backward run, and the next optimizer step
+waits only if the writer has not yet captured the state that step would overwrite.
+
+    ckpt = AsyncCheckpointer("ckpt", model, opt)             # opt: an OffloadAdam (host or NVMe tier)
+    ckpt.save(step, extra={"data_position": k})              # after opt.step(); returns at once
+    ...                                                      # training goes on
+    ckpt.wait()                                              # the last checkpoint is complete (or raise its error)
+    step, extra = load_latest("ckpt", model, opt)            # the newest complete one; resume bit for bit
+
+Why it can be lazy: between one `opt.step()` and the next nothing changes the optimizer's state or the model's
+weights (forward and backward read them; only the update writes them). So the writer reads the live buffers
+directly, with no copy, and a step pre-hook on the optimizer holds the next update until the writer has
+captured them. Written per checkpoint, in a directory `step{N:08d}/`:
+    subgroup{i}/master, exp_avg, exp_avg_sq   each CPU subgroup's fp32 state, through a Swapper (O_DIRECT, checksums);
+                                              with the NVMe tier, the tier's current files hard-linked (not copied:
+                                              the Swapper replaces a linked slot file instead of rewriting it) where
+                                              the file system allows, copied otherwise
+    meta.pt                                   step counts, settings, loss scale, the delayed update's unsent weights,
+                                              the model's tensors that are not offloaded parameters, RNG states, extra
+    MANIFEST.json                             written last, atomically (temporary file, fsync, rename, fsync of the
+                                              directory): a directory without it is an unfinished checkpoint
+At most one checkpoint is in flight: a `save()` while one is writing waits for it. The newest `keep` complete
+checkpoints stay; older ones are removed after a new one commits.
+
+A write that fails (a directory gone, a full disk) does not stop training: the step pre-hook lets the update go on,
+the error (naming the path) is raised by the next `save()` or `wait()`, and the last complete checkpoint stays
+loadable.
+
+What this is not: a sharded checkpoint (train/checkpoint.py writes one with torch.distributed.checkpoint), nor a format
+for other frameworks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from ..layout import STATE, Where
+from ..nvme.swapper import Swapper
+
+MANIFEST = "MANIFEST.json"
+
+
+class AsyncCheckpointer:
+    """Writes checkpoints of `model` and `opt` (an OffloadAdam) into `directory` in the background."""
+
+    def __init__(self, directory, model: torch.nn.Module, opt, keep: int = 2, workers: int = 4):
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an int >= 1 (complete checkpoints to keep), got {keep!r}")
+        if getattr(opt, "shard", None) is not None:
+            raise ValueError("a sharded OffloadAdam saves with minioffload.train.checkpoint "
+                             "(torch.distributed.checkpoint); "
+                             "AsyncCheckpointer writes one process's state")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.model, self.opt, self.keep, self.workers = model, opt, keep, workers
+        self._thread: threading.Thread | None = None
+        self._captured = threading.Event()
+        self._captured.set()
+        self._error: BaseException | None = None
+        self.blocked_s = 0.0  # time the training loop spent waiting for the writer (save() and the step pre-hook)
+        self.last: dict | None = None  # the last checkpoint written: step, path, seconds to capture and to commit
+        self._hook = opt.register_step_pre_hook(self._before_step)
+
+    # the training loop's side -----------------------------------------------------------------------------
+    def save(self, step: int, extra: dict | None = None) -> None:
+        """Start a checkpoint of the state after update `step`; returns once the writer has started (after the
+        previous checkpoint has finished). Raises the previous checkpoint's error, if it failed."""
+        started = time.perf_counter()
+        self.wait()
+        self.blocked_s += time.perf_counter() - started
+        rng = {"cpu": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        path = self.directory / f"step{step:08d}"
+        self._captured.clear()
+        self._thread = threading.Thread(target=self._write, args=(step, path, dict(extra or {}), rng),
+                                        name="checkpoint writer", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Wait for the checkpoint in flight; raise its error (naming the path), if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        """Finish the checkpoint in flight and remove the step pre-hook."""
+        try:
+            self.wait()
+        finally:
+            self._hook.remove()
+
+    def _before_step(self, *_args) -> None:
+        """The optimizer's step pre-hook: the update waits until the writer has read the state it overwrites."""
+        if not self._captured.is_set():
+            started = time.perf_counter()
+            self._captured.wait()
+            self.blocked_s += time.perf_counter() - started
+
+    # the writer's side ------------------------------------------------------------------------------------
+    def _write(self, step: int, path: Path, extra: dict, rng: dict) -> None:
+        started = time.perf_counter()
+        try:
+            if path.exists():
+                shutil.rmtree(path)  # an unfinished checkpoint of the same step, from a run that died
+            captured_s = self._capture(step, path, extra, rng)
+            _commit_manifest(path, {"step": step, "format": 1, "time": time.time()})
+            self._prune()
+            self.last = {"step": step, "path": str(path), "capture_s": captured_s,
+                         "total_s": time.perf_counter() - started}
+        except BaseException as err:  # noqa: BLE001 - raised by the next save() or wait()
+            self._error = err if isinstance(err, OSError) else RuntimeError(f"checkpoint {path} failed: {err}")
+        finally:
+            self._captured.set()  # never leave the update waiting, even after a failure
+
+    def _capture(self, step: int, path: Path, extra: dict, rng: dict) -> float:
+        """Write everything the next update would change; then release it. Returns the seconds it took."""
+        started = time.perf_counter()
+        opt = self.opt
+        opt._join_update()  # a delayed update of this step may still be running behind step()
+        if opt.device_path is not None:
+            opt.device_path.wait()  # the hybrid path's state is back in host memory (or written on the device)
+        if opt.nvme is not None:
+            opt.nvme.drain()  # the tier's last writes are durable: its current files are this step's
+        path.mkdir(parents=True)
+        layout = []
+        with Swapper(path, workers=self.workers) as swapper:
+            swapper.trace = opt.dev.trace  # its writes show on the nvme_write lane, beside the next step's work
+            writes = []
+            for index, sub in enumerate(opt.subgroups):
+                layout.append({"subgroup": index, "numel": sub.numel,
+                               "slots": [[slot.offset, slot.numel] for slot in sub.slots]})
+                for name in STATE:
+                    key = f"subgroup{index}/{name}"
+                    if opt.nvme is not None and sub.where == Where.CPU:
+                        _link_or_copy(opt.swapper, opt.nvme.key(sub, name), swapper, key)
+                        continue
+                    source = sub.buffers[name]
+                    if opt.dev.is_device(source):  # a resident subgroup's state: to the host first
+                        source = opt.dev.host_empty(sub.numel).copy_(source)
+                    writes.append(swapper.write(key, source))
+            for future in writes:
+                future.result()
+        torch.save({"step": step, "extra": extra, "rng": rng, "layout": layout, "optimizer": _settings(opt),
+                    "model": _model_tensors(self.model, opt)}, path / "meta.pt")
+        _fsync(path / "meta.pt")
+        self._captured.set()
+        return time.perf_counter() - started
+
+    def _prune(self) -> None:
+        for old in complete(self.directory)[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def load_latest(directory, model: torch.nn.Module, opt) -> tuple[int, dict]:
+    """Load the newest complete checkpoint under `directory` into `model` and `opt` (built as when it was saved);
+    returns (step, extra). FileNotFoundError when there is none."""
+    done = complete(Path(directory))
+    if not done:
+        raise FileNotFoundError(f"no complete checkpoint (a step directory with {MANIFEST}) under {directory}")
+    return load(done[-1], model, opt)
+
+
+def load(path, model: torch.nn.Module, opt) -> tuple[int, dict]:
+    """Load the checkpoint in `path` (a step directory); returns (step, extra)."""
+    path = Path(path)
+    if path.resolve() not in [done.resolve() for done in complete(path.parent)]:
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MANIFEST}, or a file it lists is missing "
+                                "or cut short): load an earlier one (load_latest finds it)")
+    meta = torch.load(path / "meta.pt", weights_only=False)
+    state = {}
+    with Swapper(path) as swapper:
+        slots = [(entry["subgroup"], offset, numel) for entry in meta["layout"] for offset, numel in entry["slots"]]
+        flat = {}
+        for entry in meta["layout"]:
+            for name in STATE:
+                buffer = opt.dev.host_empty(entry["numel"])
+                swapper.read(f"subgroup{entry['subgroup']}/{name}", into=buffer).result()  # checksum verified
+                flat[entry["subgroup"], name] = buffer
+    settings = meta["optimizer"]
+    for index, (sub, offset, numel) in enumerate(slots):
+        state[index] = {"step": settings["steps"][index], "shape": tuple(settings["shapes"][index]),
+                        **{name: flat[sub, name][offset:offset + numel].clone() for name in STATE}}
+    missing, unexpected = model.load_state_dict(meta["model"], strict=False)
+    offloaded = {name for name, p in model.named_parameters() if p in opt._slots}
+    if unexpected or set(missing) - offloaded:
+        raise ValueError(f"checkpoint {path} does not fit this model: missing {sorted(set(missing) - offloaded)}, "
+                         f"unexpected {sorted(unexpected)}")
+    opt.load_state_dict({**settings["state_dict"], "state": state})  # uploads the masters into the model
+    torch.set_rng_state(meta["rng"]["cpu"])
+    if meta["rng"]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(meta["rng"]["cuda"])
+    return meta["step"], meta["extra"]
+
+
+# the pieces ----------------------------------------------------------------------------------------------
+def _settings(opt) -> dict:
+    """What opt.state_dict() holds besides the per-parameter tensors (written from the live buffers instead)."""
+    slots = list(opt._slots.values())
+    unsent = {id(slot) for slot in opt.delayed.unsent} if opt.delayed else set()
+    return {"steps": [slot.step for slot in slots], "shapes": [tuple(slot.param.shape) for slot in slots],
+            "state_dict": {
+                "params": len(slots),
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+                "loss_scale": {"scale": opt.scale, "clean_steps": opt.clean_steps, "skipped": opt.skipped_steps},
+                "updates": opt.updates,
+                "unsent": [i for i, slot in enumerate(slots) if id(slot) in unsent],
+                "kept_shapes": [tuple(p.shape) for p in opt.kept],
+                "kept": None if opt._device_opt is None else opt._device_opt.state_dict()}}
+
+
+def _model_tensors(model: torch.nn.Module, opt) -> dict:
+    """The model's state dict without the offloaded parameters (their masters are the checkpoint's); a delayed
+    update's unsent parameters are kept: their weights on the device are one update behind their masters."""
+    unsent = {id(slot.param) for slot in opt.delayed.unsent} if opt.delayed else set()
+    offloaded = {id(p) for p in opt._slots if id(p) not in unsent}
+    params = dict(model.named_parameters())
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()
+            if not (name in params and id(params[name]) in offloaded)}
+
+
+def _link_or_copy(source: Swapper, source_key: str, target: Swapper, key: str) -> None:
+    """Put `source`'s current version of `source_key` into `target` under `key`: a hard link where the file system
+    allows (the bytes are not copied), else a copy; the entry (size, dtype, checksum) follows it into the index."""
+    entry = dict(source.index[source_key])
+    file = source.current_file(source_key)
+    linked = target._file(key, entry["slot"])
+    try:
+        os.link(file, linked)
+    except OSError:  # another file system, or links refused: copy the bytes
+        shutil.copyfile(file, linked)
+        _fsync(linked)
+    target._commit(key, entry)
+
+
+def complete(directory: Path) -> list[Path]:
+    """The step directories under `directory` whose manifest is committed and whose listed files are all there with
+    their sizes, oldest step first (by number: step100000000 comes after step99999999)."""
+    found = []
+    for path in Path(directory).glob("step*") if Path(directory).is_dir() else []:
+        match = re.fullmatch(r"step(\d+)", path.name)
+        try:
+            files = json.loads((path / MANIFEST).read_text())["files"]
+            whole = all((path / name).stat().st_size == size for name, size in files.items())
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # unfinished, torn, or a file gone
+        if match and whole:
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def _commit_manifest(path: Path, manifest: dict) -> None:
+    """Write MANIFEST.json last, listing every file of the checkpoint with its size; a crash at any point leaves
+    no manifest or the whole one."""
+    files = {str(f.relative_to(path).as_posix()): f.stat().st_size for f in sorted(path.rglob("*"))
+             if f.is_file() and not f.name.startswith(MANIFEST)}
+    temporary = path / (MANIFEST + ".tmp")
+    temporary.write_text(json.dumps({**manifest, "files": files}))
+    _fsync(temporary)
+    os.replace(temporary, path / MANIFEST)
+    _fsync(path)  # the directory entry of the rename
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

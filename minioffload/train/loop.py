@@ -1,0 +1,408 @@
+"""The training loop behind `python -m minioffload train`: a small GPT on the bundled text, with its AdamW
+state offloaded to pinned host memory (OffloadAdam) or kept on the device (torch AdamW, the baseline).
+
+    result = train(TrainConfig(device="sim", steps=50, out_dir="runs/demo"))
+    result.losses          # train loss per step
+    result.summary         # the step-time split, memory, final losses and a sample (also summary.json)
+
+One step: `grad_accum` micro-batches of forward ("forward" span on lane "compute") and backward ("backward"),
+then the optimizer step (OffloadAdam records its own d2h / cpu / h2d spans; the baseline one "update" span on
+"compute"). The summary splits the mean step time into forward, backward, exposed D2H (the d2h lane busy
+while neither compute nor cpu is), CPU update (cpu lane busy), exposed H2D (likewise) and device update,
+measured from `dev.trace` inside each step's window. The first step (Numba compiles the CPU Adam, caches
+warm up) is left out of the means when there is more than one.
+
+Writes out_dir/trace.json (Perfetto), loss.csv and summary.json.
+
+With `params_on="host"` or `"nvme"` the blocks' weights are streamed (chapter 8, model/streaming.py): they live in
+pinned host memory or in nvme_dir/weights and come up block by block, `prefetch` blocks ahead, so a model several
+times the (sim) device's `device_memory` trains.
+
+With `shard=True`, under torchrun (`torchrun --nproc-per-node N -m minioffload train --shard`), each rank is one
+process with its own device (the sim, or GPU LOCAL_RANK) and OffloadAdam shards the optimizer state (chapter 10,
+engine/sharding.py). Rank r trains on micro-batches r*A .. r*A+A-1 of the N*A one process with grad_accum N*A would
+draw, so N ranks give that one process's weights. Rank 0 writes loss.csv, summary.json (with every rank's link
+bytes) and trace.json; rank r > 0 writes trace_rank<r>.json. `checkpoint_dir` saves the run at its end with
+torch.distributed.checkpoint (train/checkpoint.py); `resume` continues one, on any number of ranks.
+
+What this is not: a tuned trainer (no LR schedule, no checkpoints, no mixed-precision autocast: "bf16"
+casts the model's parameters, and OffloadAdam keeps fp32 masters on the host).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from ..devices import device as make_device
+from ..devices.sim import SimDevice
+from ..engine import sharding
+from ..engine.optimizer import OffloadAdam
+from ..layout import STATE_BYTES_PER_PARAM
+from ..model.activations import POLICIES, Activations
+from ..model.gpt import GPT, CharTokenizer, GPTConfig, batches, load_text, train_val_split
+from ..model.streaming import ParamStreamer, plan
+from ..nvme.swapper import Swapper
+from ..options import OffloadOptions
+from ..paths import usable_directory
+from . import checkpoint, checkpoint_async
+from .report import PHASES, format_summary, step_phases, summarize
+
+DEVICES = ("auto", "sim", "cuda")
+PRECISIONS = ("fp32", "bf16")
+PARAMS_ON = ("device", "host", "nvme")
+__all__ = ["PHASES", "TrainConfig", "TrainResult", "format_summary", "preflight", "step_phases", "train"]
+EVAL_BATCHES = 8  # validation batches per evaluation (the same ones every time)
+
+
+def _train_defaults() -> OffloadOptions:
+    return OffloadOptions(subgroup_numel=1 << 16, max_grad_norm=1.0)  # a small GPT: small subgroups; clipping on
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; checked on construction (ValueError naming the field). The offload
+    engine's options are one `OffloadOptions` (options.py), checked by its own rules."""
+
+    device: str = "auto"  # "auto" | "sim" | "cuda"
+    model: str = "tiny"  # a GPTConfig preset
+    block_size: int = 64  # context length (overrides the preset's)
+    batch_size: int = 32  # sequences per micro-batch
+    steps: int = 1000  # optimizer steps (the defaults take about a minute on 2 CPU cores with the sim)
+    lr: float = 3e-3
+    precision: str = "fp32"  # "fp32" | "bf16" (the model's parameters; optimizer state stays fp32)
+    offload: bool = True  # True: OffloadAdam (state in pinned host memory); False: torch AdamW on the device
+    optimizer: OffloadOptions = field(default_factory=_train_defaults)  # OffloadAdam's options; the baseline
+    #                                                                     uses only max_grad_norm
+    nvme_dir: str | None = None  # keep the optimizer state in files here (the NVMe tier); None: in host memory
+    activations: str = "keep"  # a policy of model/activations.py for every block, or one per block, comma-separated
+    params_on: str = "device"  # where the blocks' weights live: "device", or streamed from "host" or "nvme"
+    prefetch: int = 1  # streamed: blocks fetched ahead of the one computing
+    device_memory: int | None = None  # the sim device's memory in bytes (None: its default, 4 GiB)
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seed: int = 0
+    shard: bool = False  # shard the optimizer state over torchrun's ranks (chapter 10); needs offload
+    checkpoint_dir: str | None = None  # save the run here at its end (torch.distributed.checkpoint)
+    checkpoint_every: int | None = None  # with checkpoint_dir: a lazy async checkpoint every N steps instead
+    resume: str | None = None  # continue a run saved in this checkpoint directory (either kind)
+    out_dir: str | None = None  # None: runs/<timestamp>
+    eval_every: int = 100  # steps between validation losses (the last step is always evaluated)
+    progress: bool = True  # show a progress bar (when tqdm is installed)
+
+    def __post_init__(self) -> None:
+        _choice("device", self.device, DEVICES)
+        _choice("model", self.model, tuple(GPTConfig.preset_names()))
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("params_on", self.params_on, PARAMS_ON)
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"TrainConfig.prefetch must be an int >= 0, got {self.prefetch!r}")
+        if self.device_memory is not None and (isinstance(self.device_memory, bool)
+                                               or not isinstance(self.device_memory, int) or self.device_memory < 1):
+            raise ValueError("TrainConfig.device_memory must be a positive number of bytes, got "
+                             f"{self.device_memory!r}")
+        for name in ("block_size", "batch_size", "steps", "grad_accum", "eval_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainConfig.{name} must be a positive int, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"TrainConfig.seed must be an int, got {self.seed!r}")
+        if not isinstance(self.lr, (int, float)) or not (0 < self.lr < math.inf):
+            raise ValueError(f"TrainConfig.lr must be a positive finite number, got {self.lr!r}")
+        names = self.activations.split(",") if isinstance(self.activations, str) else [None]
+        if any(name not in POLICIES for name in names):
+            raise ValueError(f"TrainConfig.activations must be one of {', '.join(POLICIES)}, or one per block "
+                             f"separated by commas; got {self.activations!r}")
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"TrainConfig.offload must be True or False, got {self.offload!r}")
+        if not isinstance(self.optimizer, OffloadOptions):
+            raise ValueError("TrainConfig.optimizer must be an OffloadOptions (minioffload.options), got "
+                             f"{type(self.optimizer).__name__}")
+        if self.nvme_dir is not None:
+            self.optimizer.check_nvme()
+        if self.params_on == "nvme" and self.nvme_dir is None:
+            raise ValueError("TrainConfig.params_on='nvme' keeps the weights in nvme_dir/weights: give "
+                             "TrainConfig.nvme_dir")
+        if self.params_on != "device" and (self.optimizer.delayed or self.optimizer.hybrid):
+            raise ValueError(f"TrainConfig.params_on={self.params_on!r} updates the streamed weights on the CPU: "
+                             "delay_updates_after, gpu_fraction and stride need them on the device")
+        if self.checkpoint_every is not None:
+            if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
+                    or self.checkpoint_every < 1:
+                raise ValueError(f"TrainConfig.checkpoint_every must be a positive int, got {self.checkpoint_every!r}")
+            if self.checkpoint_dir is None or self.shard or not self.offload:
+                raise ValueError("TrainConfig.checkpoint_every writes lazy asynchronous checkpoints of one process's "
+                                 "OffloadAdam into checkpoint_dir: give checkpoint_dir, offload=True and no shard")
+        if self.shard and (self.optimizer.delayed or self.optimizer.hybrid):
+            raise ValueError("TrainConfig.shard runs the synchronous CPU update: leave delay_updates_after, "
+                             "gpu_fraction and stride unset")
+        needs_offload = (self.optimizer.offload_only() + (["shard"] if self.shard else [])
+                         + (["nvme_dir"] if self.nvme_dir is not None else [])
+                         + (["params_on"] if self.params_on != "device" else []))
+        if needs_offload and not self.offload:
+            raise ValueError(f"TrainConfig: {', '.join(needs_offload)}: OffloadAdam's options, which need "
+                             "offload=True")
+
+
+def _choice(name: str, value, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"TrainConfig.{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]  # mean train loss of each step
+    val_losses: dict[int, float]  # step -> validation loss
+    summary: dict
+    out_dir: Path
+    paths: dict[str, Path] = field(default_factory=dict)  # "trace", "loss", "summary" -> file
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+
+
+class _Steps(list):
+    """The steps without a progress bar (tqdm not installed, or progress=False): tqdm's methods, doing nothing."""
+
+    def set_postfix(self, **values) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(steps: int, desc: str, enabled: bool, first: int = 1):
+    try:
+        from tqdm.auto import tqdm  # the course extra installs it; the runtime runs without
+    except ImportError:
+        enabled = False
+    if not enabled:
+        return _Steps(range(first, steps + 1))
+    return tqdm(range(first, steps + 1), desc=desc, unit="step", dynamic_ncols=True)
+
+
+@torch.no_grad()
+def _val_loss(model: GPT, val_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    was_training = model.training
+    model.eval()
+    try:
+        return sum(float(model(x, y)[1]) for x, y in val_batches) / len(val_batches)
+    finally:
+        model.train(was_training)
+
+
+def config_layers(config: TrainConfig) -> int:
+    return GPTConfig.preset(config.model, 1, block_size=config.block_size).n_layer
+
+
+def preflight(config: TrainConfig) -> tuple[Path, CharTokenizer, torch.Tensor, torch.Tensor]:
+    """What a run needs, checked before any work starts (ValueError naming the setting and the fix): the
+    device, a context that fits the validation split, and directories it can write, with room for the NVMe
+    tier's files. Changes nothing. Returns the out_dir (to make), the tokenizer and the train and validation tokens."""
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("TrainConfig.device='cuda' needs a CUDA GPU and a CUDA build of torch (this torch sees "
+                         "none); use device='sim' to run on the CPU")
+    text = load_text()
+    tok = CharTokenizer(text)
+    train_tokens, val_tokens = train_val_split(torch.tensor(tok.encode(text)))
+    if config.block_size >= len(val_tokens):
+        raise ValueError(f"TrainConfig.block_size={config.block_size} leaves no window in the {len(val_tokens)}"
+                         f"-token validation split; use a block_size below {len(val_tokens)}")
+    names = config.activations.split(",")
+    if len(names) > 1 and len(names) != config_layers(config):
+        raise ValueError(f"TrainConfig.activations lists {len(names)} policies and the {config.model} model has "
+                         f"{config_layers(config)} blocks: give one per block, or one for all")
+    out_dir = usable_directory(config.out_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"),
+                               "TrainConfig.out_dir")
+    with torch.device("meta"):  # sizes only: nothing allocated
+        shape = GPT(GPTConfig.preset(config.model, tok.vocab_size, block_size=config.block_size))
+    on_sim = config.device == "sim" or (config.device == "auto" and not torch.cuda.is_available())
+    if config.params_on != "device" and on_sim:  # the sim's memory is known before it exists
+        if config.precision == "bf16":
+            shape.to(torch.bfloat16)
+        plan(shape, config.prefetch, None, config.device_memory or SimDevice.DEFAULT_MEMORY)
+    if config.nvme_dir is not None:
+        params = shape.num_params()
+        # two versions of 12 B/param (master, exp_avg, exp_avg_sq), as the swapper keeps them, and of the weights
+        weights = (2 if config.precision == "bf16" else 4) * params if config.params_on == "nvme" else 0
+        usable_directory(config.nvme_dir, "TrainConfig.nvme_dir",
+                         need_bytes=2 * (STATE_BYTES_PER_PARAM * params + weights))
+    return out_dir, tok, train_tokens, val_tokens
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Train a GPT as `config` says; write trace.json, loss.csv and summary.json into its out_dir."""
+    out_dir, tok, train_tokens, val_tokens = preflight(config)
+    lazy = config.resume is not None and bool(checkpoint_async.complete(Path(config.resume)))
+    if config.resume is not None and not lazy and not (Path(config.resume) / ".metadata").is_file():
+        raise ValueError(f"TrainConfig.resume={config.resume!r} holds no checkpoint (no .metadata, no step "
+                         "directory with a MANIFEST.json): give a directory a run saved with checkpoint_dir")
+    shard = _join(config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(config.seed)
+    model = GPT(GPTConfig.preset(config.model, tok.vocab_size, block_size=config.block_size))
+    options = {} if config.device_memory is None else {"memory_bytes": config.device_memory}
+    if shard is not None and _on_cuda(config):
+        options = {"index": int(os.environ.get("LOCAL_RANK", 0))}
+    dev = make_device(config.device, **options)
+    try:
+        return _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard)
+    finally:
+        dev.close()
+        if shard is not None:
+            sharding.leave()
+
+
+def _on_cuda(config: TrainConfig) -> bool:
+    return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+
+
+def _join(config: TrainConfig):
+    """shard=True: join torchrun's process group (gloo for the sim, NCCL for CUDA); a Shard, else None."""
+    if not config.shard:
+        return None
+    if "WORLD_SIZE" not in os.environ:
+        raise ValueError("TrainConfig.shard needs torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR): run "
+                         "`torchrun --nproc-per-node N -m minioffload train --shard ...`")
+    if _on_cuda(config):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # NCCL's communicators use the current device
+    sharding.init("cuda" if _on_cuda(config) else "sim")
+    return sharding.Shard()
+
+
+def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard=None) -> TrainResult:
+    if config.precision == "bf16":
+        model.to(torch.bfloat16)
+    swapper = weights_home = streamer = None
+    rank, world = (shard.rank, shard.world) if shard is not None else (0, 1)
+    if config.nvme_dir is not None:  # each rank its own files
+        nvme_dir = Path(config.nvme_dir) / f"rank{rank}" if shard is not None else Path(config.nvme_dir)
+        nvme_dir.mkdir(parents=True, exist_ok=True)  # preflight checked that it can be made
+        swapper = Swapper(nvme_dir)
+    if config.params_on == "device":
+        dev.place(model)
+    else:  # the blocks' weights stay home and come up block by block; the rest is placed
+        if config.params_on == "nvme":  # sharded: each rank its own copy, beside its optimizer state
+            weights_dir = (nvme_dir if shard is not None else Path(config.nvme_dir)) / "weights"
+            weights_dir.mkdir(exist_ok=True)
+            weights_home = Swapper(weights_dir)
+        streamer = ParamStreamer(model, dev, prefetch=config.prefetch, home=config.params_on,
+                                 swapper=weights_home)
+    names = config.activations.split(",")
+    Activations(model.blocks, names[0] if len(names) == 1 else names, dev)  # "keep": nothing changes
+    params = list(model.parameters())
+    if config.offload:
+        options = config.optimizer  # a speculative update starts during the step's last micro-batch
+        options = options.replace(backwards_per_step=config.grad_accum) if options.speculative else options
+        opt = OffloadAdam(params, dev, lr=config.lr, options=options, swapper=swapper, streamer=streamer,
+                          shard=shard)
+    else:
+        if config.precision == "bf16":
+            warnings.warn("precision='bf16' with offload=False: torch AdamW updates the bf16 weights directly "
+                          "(no fp32 master copy), so small updates round away", stacklevel=3)
+        opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.01)  # OffloadAdam's default decay
+    data_gen = torch.Generator().manual_seed(config.seed)
+    val_gen = torch.Generator().manual_seed(config.seed + 1)
+    val_batches = [tuple(map(dev.to_device, batches(val_tokens, config.block_size, config.batch_size, val_gen)))
+                   for _ in range(EVAL_BATCHES)]
+    tokens_per_step = config.batch_size * config.block_size * config.grad_accum * world
+    first_step = 1
+    if config.resume is not None:
+        if checkpoint_async.complete(Path(config.resume)):  # lazy async checkpoints: the newest complete one
+            extra = checkpoint_async.load_latest(config.resume, model, opt)[1]
+        else:
+            extra = checkpoint.load(config.resume, model, opt)
+        first_step = extra["step"] + 1
+        if first_step > config.steps:
+            raise ValueError(f"TrainConfig.resume: the checkpoint is at step {extra['step']}; set steps above it "
+                             "(steps counts from the start of the run)")
+        data_gen.set_state(torch.tensor(list(extra["data_rng"]), dtype=torch.uint8))
+
+    losses: list[float] = []
+    val_losses: dict[int, float] = {}
+    rows: list[tuple] = []
+    windows: list[tuple[int, int, float, float]] = []  # (first span index, last, start, end) per step
+    state_adopted = False
+    bar = _progress_bar(config.steps, f"train {config.model} ({dev.kind}{f', {world} ranks' if shard else ''})",
+                        config.progress and rank == 0, first_step)
+    lazy_writer = None
+    if config.checkpoint_every is not None:
+        lazy_writer = checkpoint_async.AsyncCheckpointer(config.checkpoint_dir, model, opt)
+    dev.synchronize()
+    for step in bar:
+        first_span, start = len(dev.trace.spans), dev.trace.now()
+        step_loss = 0.0
+        drawn = [batches(train_tokens, config.block_size, config.batch_size, data_gen)
+                 for _ in range(config.grad_accum * world)]  # every rank draws all, and trains on its own
+        for micro in range(config.grad_accum):
+            x, y = (dev.to_device(t) for t in drawn[rank * config.grad_accum + micro])
+            _, loss = dev.timed("forward", lambda x=x, y=y: model(x, y))
+            dev.timed("backward", lambda loss=loss: (loss / config.grad_accum).backward())
+            step_loss += float(loss.detach()) / config.grad_accum
+            if not config.offload and micro == config.grad_accum - 1:
+                for p in params:  # the baseline holds its gradients on the device: count them
+                    if p.grad is not None:
+                        dev.adopt(p.grad, "grad")
+        if config.offload:
+            opt.step()  # records its own d2h / cpu / h2d spans
+        else:
+            def update():
+                if config.optimizer.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(params, config.optimizer.max_grad_norm)
+                opt.step()
+            dev.timed("update", update)
+            if not state_adopted:  # AdamW made its exp_avg / exp_avg_sq on the device: count them
+                for state in opt.state.values():
+                    for t in state.values():
+                        if torch.is_tensor(t) and t.numel() > 1:
+                            dev.adopt(t, "optimizer state")
+                state_adopted = True
+        opt.zero_grad(set_to_none=True)
+        if lazy_writer is not None and (step % config.checkpoint_every == 0 or step == config.steps):
+            lazy_writer.save(step, extra={"step": step, "data_rng": bytes(data_gen.get_state().tolist())})
+        if shard is not None:
+            step_loss = shard.mean(step_loss)
+        if step == config.steps and isinstance(opt, OffloadAdam):
+            opt.flush()  # a delayed update's last weights: evaluate and sample with them
+        dev.synchronize()  # the step ends when its last copy has landed (the next forward waits for it)
+        end = dev.trace.now()
+        windows.append((first_span, len(dev.trace.spans), start, end))
+        tokens_per_s = tokens_per_step / (end - start)
+        losses.append(step_loss)
+        val = None
+        if step % config.eval_every == 0 or step == config.steps:
+            val = val_losses[step] = _val_loss(model, val_batches)
+        rows.append((step, step_loss, val, tokens_per_s))
+        bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{tokens_per_s:,.0f}",
+                        **({"val": f"{val:.3f}"} if val is not None else {}))
+    bar.close()
+
+    if lazy_writer is not None:
+        lazy_writer.close()  # the last one is complete
+    elif config.checkpoint_dir is not None:
+        checkpoint.save(config.checkpoint_dir, model, opt,
+                        extra={"step": config.steps, "data_rng": bytes(data_gen.get_state().tolist())})
+    summary = summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_per_step, streamer, shard)
+    for disk in (swapper, weights_home):
+        if disk is not None:
+            disk.close()  # every queued write lands first
+    if rank > 0:  # the other ranks write their timeline only
+        return TrainResult(losses, val_losses, summary, out_dir,
+                           {"trace": dev.trace.save(out_dir / f"trace_rank{rank}.json")})
+    paths = {"trace": dev.trace.save(out_dir / "trace.json"), "loss": out_dir / "loss.csv",
+             "summary": out_dir / "summary.json"}
+    with open(paths["loss"], "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "train_loss", "val_loss", "tokens_per_s"])
+        for step, loss, val, tps in rows:
+            writer.writerow([step, f"{loss:.6f}", "" if val is None else f"{val:.6f}", f"{tps:.1f}"])
+    paths["summary"].write_text(json.dumps(summary, indent=2) + "\n")
+    return TrainResult(losses, val_losses, summary, out_dir, paths)

@@ -17,8 +17,8 @@ from helpers import HYPER, Toy, batch, loss_of, on_sim
 from minioffload.devices import device
 from minioffload.engine.optimizer import OffloadAdam
 from minioffload.nvme.swapper import SwapIOError, Swapper
+from minioffload.train import checkpoint_async
 from minioffload.train.checkpoint_async import AsyncCheckpointer, load_latest
-from minioffload.train.loop import checkpoint_async
 
 OPTIONS = {"plain": {}, "clipped, scaled, kept": {"max_grad_norm": 0.05, "loss_scale": "dynamic",
                                                   "min_offload_numel": 20},

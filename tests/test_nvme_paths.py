@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 from minioffload.devices import device
 from minioffload.engine.optimizer import OffloadAdam
+from minioffload.nvme import multipath as nvme_paths
 from minioffload.nvme.multipath import MultiPathSwapper, chairman_assignment
 from minioffload.nvme.swapper import SwapIOError, Swapper
-from minioffload.nvme.swapper import multipath as nvme_paths
 from minioffload.pinned import aligned_empty
 
 FAST = 1 << 30  # bytes/s: throttles that cost a test nothing but are still in force

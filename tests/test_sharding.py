@@ -28,6 +28,17 @@ from minioffload.options import OffloadOptions
 from minioffload.train.loop import TrainConfig, checkpoint
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Every process of these tests runs torch on one thread, as each rank does (ranks.py): torch's CPU kernels
+    (an embedding's backward among them) add in an order that depends on the thread count, and bit-for-bit
+    comparisons need the same order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make(dev, shard=None, swapper=None, dtype=torch.float32, **options):
     torch.manual_seed(0)
     model = on_sim(Toy().to(dtype), dev)

@@ -173,7 +173,7 @@ def test_bad_streaming_settings_are_refused(fields, words):
 
 
 def test_lazy_async_checkpoints_resume_the_run_exactly(tmp_path):
-    from minioffload.train.loop import checkpoint_async
+    from minioffload.train import checkpoint_async
 
     base = dict(model="tiny", steps=6, batch_size=4, block_size=32, eval_every=100, progress=False)
     straight = train(TrainConfig(**base, out_dir=str(tmp_path / "straight")))

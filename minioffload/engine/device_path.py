@@ -7,12 +7,12 @@
     path.weights_written                   # the next forward waits for this event
     path.wait()                            # the host waits: weights written, streamed state home again
 
-Resident subgroups keep their state and a gradient buffer on the device (16 B/param). Streamed ones take
-scratch sets in turn over three streams: state in (h2d) -> device Adam -> state out (d2h), so one subgroup's
-state travels while another's is updated. How many sets: `scratch_sets` (predict/hybrid_split.py), from the link
-and the device Adam's rate (on the sim; 3, the model's most, on a GPU): with two, the link idles whenever the
-device Adam is as long as a copy. The state of the first streamed subgroups whose gradients exist goes in during backward, on a
-link direction that is idle then (the CPU path's uploads come after the update), not after the clip coefficient.
+Resident subgroups keep their state and a gradient buffer on the device (16 B/param). Streamed ones take scratch sets
+in turn over three streams: state in (h2d) -> device Adam -> state out (d2h), so one subgroup's state travels while
+another's is updated. How many sets: `scratch_sets` (predict/hybrid_split.py), from the link and the device Adam's
+rate (on the sim; 3, the model's most, on a GPU): with two, the link idles whenever the device Adam is as long as a
+copy. The state of the first streamed subgroups whose gradients exist goes in during backward, on a link direction
+that is idle then (the CPU path's uploads come after the update), not after the clip coefficient.
 
 What this is not: the choice of subgroups or the model of the split (predict/hybrid_split.py), nor the optimizer
 (offload.OffloadAdam builds the work list: each subgroup with its slots, gradients and Adam runs).

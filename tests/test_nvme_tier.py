@@ -84,7 +84,7 @@ def visit_counts(directory, buffers: int, order: str, steps: int = 4) -> tuple[l
             opt.zero_grad()
             counts.append(opt.nvme.last_visit)
         opt.nvme.drain()
-        return counts, len(opt._on_cpu()), sum(sub.numel for sub in opt._on_cpu())
+        return counts, len(opt.packing.on_cpu()), sum(sub.numel for sub in opt.packing.on_cpu())
 
 
 @pytest.mark.parametrize("buffers", [3, 4, 6])

@@ -91,10 +91,10 @@ def test_frozen_tied_and_sometimes_unused_parameters_behave_as_in_torch():
 
     with device("sim") as dev:
         opt = OffloadAdam(on_sim(ours, dev).parameters(), dev, **HYPER)
-        assert ours.frozen not in opt._slots  # frozen: never offloaded
+        assert ours.frozen not in opt.packing.slots  # frozen: never offloaded
         assert sum(s.param is ours.embed.weight for sub in opt.subgroups for s in sub.slots) == 1  # tied: once
         train(ours, opt, 4, use_side=side_in)
-        steps = {name: opt._slots[p].step for name, p in ours.named_parameters() if p.requires_grad}
+        steps = {name: opt.packing.slots[p].step for name, p in ours.named_parameters() if p.requires_grad}
     train(theirs, torch.optim.AdamW(theirs.parameters(), foreach=False, **HYPER), 4, use_side=side_in)
     assert steps["side.weight"] == 1 and steps["mlp.0.weight"] == 4
     for (name, a), b in zip(ours.named_parameters(), theirs.parameters(), strict=True):
@@ -200,7 +200,7 @@ def test_loss_scaling_by_a_power_of_two_changes_nothing_and_an_overflow_skips_th
         assert opt.clean_steps == 1 and opt.scale == 2.0**16 / 2**backed_off
         before = opt.state_dict()
         weights = [p.detach().clone() for p in model.parameters()]
-        opt.scale = 1e30  # far past fp16: the gradients overflow
+        opt.loss_scale.scale = 1e30  # far past fp16: the gradients overflow
         opt.scale_loss(loss_of(model, idx, targets)).backward()
         opt.step()
         after = opt.state_dict()
@@ -283,7 +283,7 @@ def test_small_parameters_kept_on_the_device_send_no_copies(sim):
     train(model, opt, 1)
     copied = {s.nbytes for s in sim.trace.spans if s.lane == "d2h"}
     assert 64 * 4 not in copied and 16 * 4 not in copied  # the biases never crossed the link
-    assert all(p not in opt._slots for p in opt.kept)
+    assert all(p not in opt.packing.slots for p in opt.kept)
 
 
 # the one-step delayed update (DPU) ----------------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 from helpers import HYPER, Toy, batch, loss_of, on_sim
 
 from minioffload.devices import Link, device
+from minioffload.engine.gradients import GradientPath
 from minioffload.engine.optimizer import OffloadAdam
 
 PLAIN = {}
@@ -149,7 +150,7 @@ def test_a_bucket_leaves_in_one_copy_and_a_subgroup_goes_up_in_one():
         h2d = [s for s in dev.trace.spans if s.lane == "h2d"]
         assert tensors > 2 and len(d2h) == 1 and len(h2d) == 1
         assert all(p.data_ptr() == opt.subgroups[0].weights.data_ptr() + 4 * slot.offset
-                   for p, slot in opt._slots.items())
+                   for p, slot in opt.packing.slots.items())
 
 
 def test_a_backward_more_than_declared_is_refused_and_loses_nothing():
@@ -202,7 +203,7 @@ def test_a_missing_wait_for_the_gradient_copies_is_caught(monkeypatch):
     copies are still running, the strict sim's staging reads NaN, and the weights differ."""
     reference, _, _ = run(PLAIN)
     assert same(reference, slow_link_weights())  # with the wait: exact
-    original = OffloadAdam._add_pending
+    original = GradientPath.add_pending
 
     def planted(self, slot):
         if not threading.current_thread().name.startswith("speculative adam"):
@@ -212,7 +213,7 @@ def test_a_missing_wait_for_the_gradient_copies_is_caught(monkeypatch):
             holder.view(slot.subgroup.buffers["grad"]).add_(staging.reshape(-1).float())
         holder.pending.clear()
 
-    monkeypatch.setattr(OffloadAdam, "_add_pending", planted)
+    monkeypatch.setattr(GradientPath, "add_pending", planted)
     assert not same(reference, slow_link_weights())
 
 

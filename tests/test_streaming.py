@@ -81,7 +81,7 @@ def test_bf16_streamed_equals_unstreamed_and_keeps_one_rounded_copy():
         assert _same((losses, opt.master_weights()), reference)
         p = model.blocks[0].mlp.fc.weight
         assert streamer.host_value(p).dtype == torch.bfloat16  # the rounded copy at home, apart from the master
-        assert torch.equal(streamer.host_value(p), opt._master(opt._slots[p]).bfloat16())
+        assert torch.equal(streamer.host_value(p), opt.packing.master(opt.packing.slots[p]).bfloat16())
 
 
 def test_fp32_home_is_the_master_itself():
@@ -90,8 +90,8 @@ def test_fp32_home_is_the_master_itself():
         streamer = ParamStreamer(model, dev, prefetch=1)
         opt = OffloadAdam(model.parameters(), dev, subgroup_numel=3000, streamer=streamer)
         p = model.blocks[1].attn.qkv.weight
-        slot = opt._slots[p]
-        assert streamer.host_value(p).data_ptr() == opt._master(slot).data_ptr()
+        slot = opt.packing.slots[p]
+        assert streamer.host_value(p).data_ptr() == opt.packing.master(slot).data_ptr()
 
 
 def test_streamed_bytes_stay_within_budget_in_the_ledger():

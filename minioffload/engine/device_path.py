@@ -1,6 +1,7 @@
 """The device side of the hybrid update (chapter 5): device memory for it, and the queued work per step.
 
     path = DevicePath(dev, subgroups)      # allocates, or raises OutOfMemoryError with nothing held
+    path.take_grad(slot)                   # backward's hook: the gradient stays on the device
     path.prefetch(sub)                     # from backward, once a streamed subgroup's gradients exist: state in
     path.queue(work, coef, hyper)          # returns at once; the device streams do the rest
     path.cancel()                          # the host state changed (a checkpoint loaded): prefetched state dropped
@@ -51,6 +52,14 @@ class DevicePath:
     @property
     def weights_written(self):
         return self.done[0] if self.done else None
+
+    def take_grad(self, slot) -> None:
+        """backward's hook for a parameter updated on the device: its gradient stays (torch accumulates there); once
+        the subgroup's gradients all exist, a streamed subgroup's state starts in, during backward."""
+        self.dev.adopt(slot.param.grad, "grad")
+        slot.has_grad = True
+        if all(s.has_grad for s in slot.subgroup.slots):
+            self.prefetch(slot.subgroup)
 
     def prefetch(self, sub) -> None:
         """Queue a streamed subgroup's state in now (from backward), when a scratch set is free for it; else (or for

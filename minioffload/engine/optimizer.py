@@ -12,6 +12,15 @@ The flow of one step (every arrow a span in `dev.trace`):
   for clipping -> CPU Adam (chapter 3) on the subgroup -> its weights (in the model's dtype) H2D on a copy
   stream while the CPU updates the next subgroup -> the next forward waits for the last copy, not earlier.
 
+The step reads top to bottom here; the parts it calls each get what they need when they are made:
+  packing.py      the device, its copy streams, the subgroups and slots every part reads, and the loss scale
+  buffers.py      the memory made at construction (pinned state and staging, the device path, the NVMe tier)
+  gradients.py    the gradient path: hook -> copy (or bucket) -> accumulation; overflow check and clip coefficient
+  weights.py      the device weights: one flat tensor per subgroup, the uploads, the event the forward waits for
+  speculative.py  the speculative update          delayed.py     the one-step delayed update
+  device_path.py  the hybrid update's device side nvme_tier.py   the NVMe tier
+  sharded.py      a rank's sharded step           state.py       the checkpoint (state_dict, load_state_dict)
+
 Parameters are packed into subgroups of about `subgroup_numel` elements: one flat pinned buffer each for
 the fp32 master weights, exp_avg, exp_avg_sq and gradient, so the CPU Adam runs one call per subgroup. On the
 device a subgroup's parameters become views of one flat tensor, so its new weights go up in one copy. With
@@ -61,29 +70,27 @@ import torch
 
 from .. import layout
 from ..kernels.adam import adam_fused
-from ..layout import STATE, Slot, Subgroup, Where
+from ..layout import Slot, Subgroup, Where
 from ..options import OffloadOptions
-from . import state as optimizer_state
-from .buckets import make_buckets
+from . import buffers, state
 from .delayed import DelayedUpdate
-from .device_path import DevicePath
 from .gradients import GradientPath
-from .nvme_tier import NvmeTier
+from .packing import LossScale, Packing
 from .sharded import ShardedSteps
-from .sharding import WeightGather
-from .speculative import SpeculativeSteps
+from .sharding import settings_of
+from .speculative import SpeculativeUpdate
 from .weights import WeightUploads
 
 HYPER = ("lr", "betas", "eps", "weight_decay")  # what each param group gives the update
 
 
-class OffloadAdam(GradientPath, WeightUploads, ShardedSteps, SpeculativeSteps, torch.optim.Optimizer):
+class OffloadAdam(torch.optim.Optimizer):
     """AdamW whose state lives in pinned host memory and whose update runs on the CPU.
 
-    `dev` is a minioffload device (devices/__init__.py) holding the model's parameters (`dev.place(model)`). lr, betas,
+    `dev` is a minioffload device (devices/) holding the model's parameters (`dev.place(model)`). lr, betas,
     eps and weight_decay are torch's AdamW settings (per param group, as in torch). How the state is offloaded
     and updated is an `OffloadOptions` (options.py): pass one as `options=`, or its fields as keywords
-    (`subgroup_numel=`, `max_grad_norm=`, `stride=`, ...). `swapper`: a `Swapper` (nvme/swapper.py) for the NVMe tier.
+    (`subgroup_numel=`, `max_grad_norm=`, `stride=`, ...). `swapper`: a `Swapper` (nvme/) for the NVMe tier.
     `streamer`: the `ParamStreamer` (model/streaming.py) of the model, when its weights are streamed.
     `shard`: a `Shard` (engine/sharding.py): this rank owns and updates only its share of the subgroups.
     """
@@ -113,117 +120,68 @@ class OffloadAdam(GradientPath, WeightUploads, ShardedSteps, SpeculativeSteps, t
             raise ValueError("every parameter must be on the device before OffloadAdam takes it: call "
                              "dev.place(model) first (or stream it: ParamStreamer)")
         self.dev, self.options, self.swapper, self.streamer, self.shard = dev, options, swapper, streamer, shard
-        self.d2h, self.h2d = dev.stream("offload d2h"), dev.stream("offload h2d")
         self.last_grad_norm: float | None = None  # before clipping, unscaled; None when clipping is off
-        self.dynamic = options.loss_scale == "dynamic"
-        self.scale = 2.0**16 if self.dynamic else float(options.loss_scale or 1.0)
-        self.clean_steps = self.skipped_steps = self.updates = 0  # updates: steps not skipped
-        self._uploaded = None  # event after the last H2D: the next forward waits for it
+        self.loss_scale = LossScale.of(options.loss_scale, options.growth_interval)
+        self.updates = 0  # steps not skipped
         self.delayed = DelayedUpdate(options.delay_updates_after) if options.delayed else None
+        # the small parameters kept on the device, updated there by torch's AdamW
         self.kept = list(dict.fromkeys(p for p in trainable
                                        if p.numel() < options.min_offload_numel and p not in streamed))
-        self._device_opt, self._kept_groups = self._device_optimizer()
-        self.subgroups, self._slots = layout.pack(self.param_groups, options.subgroup_numel, set(self.kept))
-        self._index = {id(sub): i for i, sub in enumerate(self.subgroups)}
-        if shard is not None:
-            self._share_out()
-        self.device_path = self.nvme = None
+        self.kept_optimizer, self._kept_groups = _device_optimizer(self.param_groups, self.kept)
+        self.packing = Packing(dev, *layout.pack(self.param_groups, options.subgroup_numel, set(self.kept)),
+                               streamer=streamer, shard=shard)
+        self.grads = GradientPath(self.packing, self.loss_scale, self.delayed)
+        self.weights = WeightUploads(self.packing)
+        self.sharded = ShardedSteps(self.packing, self.grads) if shard is not None else None
+        if self.sharded is not None:  # every rank checks that all run the same settings, then takes its subgroups
+            self.sharded.share_out(settings_of(options, self.param_groups, self.packing.slots.values(),
+                                               self.packing.subgroups, swapper is not None))
         if streamer is not None:
             streamer.wraps = False  # the blocks change at step(): it prefetches the next pass after the update
-        self._pack()
-        self._share_homes()
-        self._start_speculation()
-        for slot in self._slots.values():
-            slot.param.register_post_accumulate_grad_hook(self._offload_grad)
+        self.device_path, self.nvme = buffers.allocate(self.packing, options, self.weights, swapper)
+        if streamer is not None and self.nvme is None and shard is None:
+            buffers.share_homes(self.packing)
+        self.speculative = (SpeculativeUpdate(self.packing, self.loss_scale, self.grads, self.weights, options)
+                            if options.speculative else None)
+        for slot in self.packing.slots.values():
+            slot.param.register_post_accumulate_grad_hook(self._on_grad)
 
-    # layout -------------------------------------------------------------------------------------
-    def _mine(self, sub: Subgroup) -> bool:
-        return self.shard is None or sub.owner == self.shard.rank
+    @property
+    def subgroups(self) -> list[Subgroup]:
+        return self.packing.subgroups
 
-    def _device_optimizer(self):
-        """torch's AdamW over the parameters kept on the device, one group per outer group that has some."""
-        kept = set(self.kept)
-        outer = [g for g in self.param_groups if any(p in kept for p in g["params"])]
-        if not outer:
-            return None, []
-        groups = [{"params": [p for p in g["params"] if p in kept]} for g in outer]
-        return torch.optim.AdamW(groups, foreach=False), outer
+    @property
+    def scale(self) -> float:
+        return self.loss_scale.scale
 
-    def _pack(self) -> None:
-        """Mark where each subgroup is updated, and give it its buffers (layout.py packed the parameters)."""
-        resident, streamed = layout.split_indices(len(self.subgroups), self.options.gpu_fraction,
-                                                  self.options.stride)
-        for index in resident:
-            self.subgroups[index].where = Where.RESIDENT
-        for index in streamed:
-            self.subgroups[index].where = Where.STREAMED
-        for sub in self._on_cpu():  # one subgroup at a time, before the device path takes its memory
-            self._flatten_weights(sub)
-        # a split that does not fit fails here, before any state is made or moved
-        self.device_path = DevicePath(self.dev, self.subgroups) if resident or streamed else None
-        for sub in self.subgroups:
-            if not self._mine(sub):  # another rank's: its state and staging live there
-                continue
-            if sub.where == Where.RESIDENT:  # the device path holds its buffers; the master starts as the weights
-                for slot in sub.slots:
-                    slot.view(sub.buffers["master"]).copy_(slot.param.detach().reshape(-1))
-                continue
-            if sub.where == Where.STREAMED:  # state on the host; gradients and the update on the device
-                sub.buffers = self._host_buffers(sub.numel, STATE)
-                self._initial_state(sub, sub.buffers)
-                continue
-            on_host = ("grad",) if self.swapper is not None else (*STATE, "grad")  # NVMe: the state goes to disk
-            sub.buffers = self._host_buffers(sub.numel, on_host)
-            if self.options.bucket_numel is not None and self.shard is None:
-                sub.buckets = make_buckets(sub.slots, self.options.bucket_numel)
-            for dtype in {s.param.dtype for s in sub.slots}:  # gradients arrive here, 16-bit weights leave
-                sub.staging["staging", dtype] = self.dev.host_empty(sub.numel, dtype)
-                if self.delayed:  # ... except with delayed updates: their weights wait in upload buffers
-                    sub.staging["upload", dtype] = self.dev.host_empty(sub.numel, dtype)
-            if self.swapper is None:
-                self._initial_state(sub, sub.buffers)
-        if self.swapper is not None and self._on_cpu():
-            self.nvme = NvmeTier(self.swapper, self.dev, self.h2d, self._on_cpu(), self.options.nvme_buffers,
-                                 "forward" if self.shard is not None else self.options.nvme_order)  # sharded: in order
-            for sub in self._on_cpu():
-                self.nvme.store(sub, lambda views, sub=sub: self._initial_state(sub, views))
+    @property
+    def skipped_steps(self) -> int:
+        return self.loss_scale.skipped_steps
 
-    def _share_homes(self) -> None:
-        """An fp32 streamed weight needs no copy of its own at home: the master is it (Tiny-Pipe's point)."""
-        if self.streamer is None or self.nvme is not None or self.shard is not None:
-            return  # sharded: a rank holds the masters of its own subgroups only, so each keeps its own home
-        for slot in self._slots.values():
-            if slot.param.dtype == torch.float32 and self.streamer.streams(slot.param):
-                self.streamer.share_home(slot.param, self._master(slot))
+    @property
+    def clean_steps(self) -> int:
+        return self.loss_scale.clean_steps
 
-    def _host_buffers(self, numel: int, names) -> dict:
-        """Pinned fp32 buffers; every one but the master starts at zero (moments, accumulated gradient)."""
-        buffers = {name: self.dev.host_empty(numel) for name in names}
-        for name, buffer in buffers.items():
-            if name != "master":
-                buffer.zero_()
-        return buffers
+    @property
+    def speculation(self) -> dict[str, int]:
+        """Subgroups whose speculated update was kept, redone (clipped, or a setting changed), or taken back."""
+        return self.speculative.counts if self.speculative is not None else {"kept": 0, "redone": 0, "taken back": 0}
 
-    def _initial_state(self, sub: Subgroup, views: dict) -> None:
-        for slot in sub.slots:
-            weights = self.streamer.host_value(slot.param) if self._streamed(slot) else slot.param.detach()
-            slot.view(views["master"]).copy_(weights.reshape(-1).float().cpu())
-        views["exp_avg"].zero_()
-        views["exp_avg_sq"].zero_()
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on: multiplied by the loss scale (1.0 unless loss scaling is on)."""
+        return loss * self.scale if self.scale != 1.0 else loss
 
-    def _staging(self, slot: Slot) -> torch.Tensor:
-        """Pinned host memory for this parameter in the model's dtype: its gradient arrives here (and, without
-        delayed updates, its 16-bit weights leave from here)."""
-        return slot.shaped(slot.subgroup.staging["staging", slot.param.dtype])
-
-    def _streamed(self, slot: Slot) -> bool:
-        return self.streamer is not None and self.streamer.streams(slot.param)
-
-    def _master(self, slot: Slot) -> torch.Tensor:
-        return slot.shaped(slot.subgroup.buffers["master"])
-
-    def _on_cpu(self) -> list[Subgroup]:
-        return [sub for sub in self.subgroups if sub.where == Where.CPU and self._mine(sub)]
+    # backward -----------------------------------------------------------------------------------
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        """backward's post-accumulate-grad hook: where each gradient goes as soon as it is ready."""
+        slot = self.packing.slots[param]
+        if self.sharded is not None:  # held until its subgroup is complete, then summed into the subgroup's owner
+            return self.sharded.gather_grad(slot)
+        if slot.subgroup.where != Where.CPU:  # updated on the device: the gradient stays there
+            return self.device_path.take_grad(slot)
+        self.grads.offload(slot)  # down the link into pinned staging (or into its bucket)
+        if self.speculative is not None:  # the subgroup's update may start now, during backward
+            self.speculative.arrived(slot.subgroup, slot)
 
     # step ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -233,21 +191,20 @@ class OffloadAdam(GradientPath, WeightUploads, ShardedSteps, SpeculativeSteps, t
             with torch.enable_grad():
                 loss = closure()
         self._send_delayed_weights()  # a delayed update from the last step: its weights go up now
-        if self.shard is not None:
-            self._reduce_the_rest()
-        self._join_speculation()  # speculative: the updates begun during backward are done (engine/speculative.py)
-        self._send_partial_buckets()
-        for slot in self._slots.values():
-            self._add_pending(slot)
-        if not self._grads_finite():  # overflow: skip this step everywhere, touch no state, lower the scale
-            self.skipped_steps += 1
-            self.scale *= 0.5
-            self.clean_steps = 0
+        if self.sharded is not None:
+            self.sharded.reduce_the_rest(self.kept)
+        speculations = self.speculative.join() if self.speculative is not None else {}  # begun during backward
+        self.grads.send_partial_buckets()
+        for slot in self.packing.slots.values():
+            self.grads.add_pending(slot)
+        if not self.grads.finite(speculations, self._device_grads()):  # overflow: skip this step everywhere,
+            self.loss_scale.skipped()                                  # touch no state, lower the scale
             self.zero_grad()  # (and speculated weights are taken back)
-            self._next_forward_waits()
+            self.next_forward_waits()
             return loss
-        coef = self._clip_coefficient()
-        fresh = [slot for slot in self._slots.values() if slot.has_grad]
+        coef, self.last_grad_norm = self.grads.clip_coefficient(self.options.max_grad_norm, speculations,
+                                                                self._device_grads())
+        fresh = [slot for slot in self.packing.slots.values() if slot.has_grad]
         for slot in fresh:
             slot.has_grad = False
             slot.step += 1
@@ -260,12 +217,10 @@ class OffloadAdam(GradientPath, WeightUploads, ShardedSteps, SpeculativeSteps, t
         else:
             self._update_all(coef, fresh, hyper, True)
         self._update_kept(coef)
-        self._end_speculation()
-        if self.dynamic:
-            self.clean_steps += 1
-            if self.clean_steps % self.options.growth_interval == 0:
-                self.scale *= 2.0
-        self._next_forward_waits()
+        if self.speculative is not None:
+            self.speculative.end()
+        self.loss_scale.clean()
+        self.next_forward_waits()
         return loss
 
     def _update_all(self, coef: float, fresh: list[Slot], hyper: dict, send: bool) -> list[Slot]:
@@ -274,27 +229,27 @@ class OffloadAdam(GradientPath, WeightUploads, ShardedSteps, SpeculativeSteps, t
         fresh_ids = {id(slot) for slot in fresh}
         if self.streamer is not None:
             self.streamer.quiesce()  # no copy up reads a home (an fp32 master) that Adam is about to write
-        if not send and self._uploaded is not None:
-            self._uploaded.synchronize()  # the previous weights must have left the upload buffers
-        subgroups = self._on_cpu()
+        if not send and self.weights.uploaded is not None:
+            self.weights.uploaded.synchronize()  # the previous weights must have left the upload buffers
+        subgroups = self.packing.on_cpu()
         if self.nvme is not None or self.shard is not None:  # only those with a gradient
             subgroups = [sub for sub in subgroups if any(id(s) in fresh_ids for s in sub.slots)]
         if self.nvme is not None:  # each subgroup's state is read from disk just before and written after
             subgroups = self.nvme.visit(subgroups)
         gather = None
-        if self.shard is not None:  # the others' weights are received in order, between this rank's updates
-            gather = WeightGather(self.shard, self.dev, self._write_weights, in_flight=2 * self.shard.world)
-            subgroups = self._interleave(subgroups, fresh_ids, gather)
+        if self.sharded is not None:  # the others' weights are received in order, between this rank's updates
+            gather = self.sharded.gather()
+            subgroups = self.sharded.interleave(subgroups, fresh_ids, gather)
         for sub in subgroups:
             slots = [s for s in sub.slots if id(s) in fresh_ids]
-            if self._commit(sub, coef, slots, hyper):  # speculative: already updated, and its weights went up
-                sub.buffers["grad"].zero_()
+            if self.speculative is not None and self.speculative.commit(sub, coef, slots, hyper):
+                sub.buffers["grad"].zero_()  # updated during backward, and its weights went up
                 continue
             self._update(sub, coef, slots, hyper)
             if gather is not None:
-                self._send_subgroup(sub, gather)
+                self.sharded.send_subgroup(sub, gather)
             elif send:
-                self._upload(slots, whole=True)
+                self.weights.upload(slots, whole=True)
             else:
                 for slot in slots:
                     DelayedUpdate.stash(slot)
@@ -302,51 +257,10 @@ class OffloadAdam(GradientPath, WeightUploads, ShardedSteps, SpeculativeSteps, t
         if gather is not None:
             gather.finish()
         if send:
-            self._uploaded = self.dev.event()
-            self._uploaded.record(self.h2d)
+            self.weights.sent()
         if self.streamer is not None:
             self.streamer.updated()
         return fresh
-
-    def _update_on_device(self, coef: float, fresh: list[Slot], hyper: dict) -> None:
-        """Queue the device path of the hybrid update (engine/device_path.py); returns at once."""
-        if self.device_path is None:
-            return
-        fresh_ids, work = {id(slot) for slot in fresh}, []
-        for sub in self.subgroups:
-            slots = [s for s in sub.slots if id(s) in fresh_ids] if sub.where != Where.CPU else []
-            if slots:
-                grads = [slot.param.grad for slot in slots]  # the launched update holds them until it has run
-                for slot in slots:
-                    slot.param.grad = None  # consumed, as offloaded gradients are: the next backward starts afresh
-                work.append((sub, slots, grads, layout.runs(sub, slots)))
-        self.device_path.queue(work, coef, hyper)
-
-    def _quiesce(self) -> None:
-        """The host waits for all update work: the delayed or speculative update joined, the device path done."""
-        self._join_update()
-        self._join_speculation()
-        if self.device_path is not None:
-            self.device_path.wait()
-
-    def _join_update(self) -> None:
-        if self.delayed:
-            self.delayed.join()
-
-    def _send_delayed_weights(self) -> None:
-        if self.delayed:
-            self._uploaded = self.delayed.send(self.dev, self.h2d) or self._uploaded
-
-    def _next_forward_waits(self) -> None:
-        for event in [self._uploaded, self.device_path and self.device_path.weights_written]:
-            if event is not None:
-                self.dev.compute_waits_for(event)  # the next forward reads the new weights, not the old
-
-    def flush(self) -> None:
-        """Finish a delayed update and send its weights, so the model holds the latest ones (call it at the
-        end of training, before evaluating or saving the model). Without delayed updates: nothing to do."""
-        self._send_delayed_weights()
-        self._next_forward_waits()
 
     def _update(self, sub: Subgroup, coef: float, slots: list[Slot], hyper: dict) -> None:
         """CPU Adam on the subgroup's `slots` (those that got a gradient), with `hyper`: group id -> lr etc."""
@@ -362,63 +276,123 @@ class OffloadAdam(GradientPath, WeightUploads, ShardedSteps, SpeculativeSteps, t
                            buffers["exp_avg_sq"][span], step=first.step, lr=group["lr"], beta1=group["betas"][0],
                            beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"])
 
+    def _update_on_device(self, coef: float, fresh: list[Slot], hyper: dict) -> None:
+        """Queue the device path of the hybrid update (engine/device_path.py); returns at once."""
+        if self.device_path is None:
+            return
+        fresh_ids, work = {id(slot) for slot in fresh}, []
+        for sub in self.subgroups:
+            slots = [s for s in sub.slots if id(s) in fresh_ids] if sub.where != Where.CPU else []
+            if slots:
+                grads = [slot.param.grad for slot in slots]  # the launched update holds them until it has run
+                for slot in slots:
+                    slot.param.grad = None  # consumed, as offloaded gradients are: the next backward starts afresh
+                work.append((sub, slots, grads, layout.runs(sub, slots)))
+        self.device_path.queue(work, coef, hyper)
+
     def _update_kept(self, coef: float) -> None:
         """The small parameters kept on the device: torch's AdamW there, with the same coefficient."""
-        if self._device_opt is None:
+        if self.kept_optimizer is None:
             return
         for p in self.kept:
             if p.grad is not None and coef != 1.0:
                 p.grad.mul_(coef)
-        for inner, outer in zip(self._device_opt.param_groups, self._kept_groups, strict=True):
+        for inner, outer in zip(self.kept_optimizer.param_groups, self._kept_groups, strict=True):
             inner.update({k: outer[k] for k in HYPER})  # follow LR schedules
         with self.dev.trace.span("compute", "adam (kept on device)"):
-            self._device_opt.step()
+            self.kept_optimizer.step()
 
+    def _device_grads(self) -> list[torch.Tensor]:
+        """The gradients that stay on the device: kept small parameters, and subgroups updated there."""
+        params = [*self.kept, *(slot.param for slot in self.packing.slots.values() if slot.subgroup.where != Where.CPU)]
+        return [p.grad for p in params if p.grad is not None]
+
+    # the weights the next forward reads -----------------------------------------------------------
+    def _send_delayed_weights(self) -> None:
+        if self.delayed:
+            self.weights.uploaded = self.delayed.send(self.dev, self.packing.h2d) or self.weights.uploaded
+
+    def next_forward_waits(self) -> None:
+        """The next forward reads the new weights, not the old: the compute stream waits for the last upload and
+        the device path's writes."""
+        self.weights.forward_waits()
+        if self.device_path is not None and self.device_path.weights_written is not None:
+            self.dev.compute_waits_for(self.device_path.weights_written)
+
+    def flush(self) -> None:
+        """Finish a delayed update and send its weights, so the model holds the latest ones (call it at the
+        end of training, before evaluating or saving the model). Without delayed updates: nothing to do."""
+        self._send_delayed_weights()
+        self.next_forward_waits()
+
+    def join_update(self) -> None:
+        """The host waits for a delayed update still running behind step() (it owns the host state meanwhile)."""
+        if self.delayed:
+            self.delayed.join()
+
+    def quiesce(self) -> None:
+        """The host waits for all update work: the delayed or speculative update joined, the device path done."""
+        self.join_update()
+        if self.speculative is not None:
+            self.speculative.join()
+        if self.device_path is not None:
+            self.device_path.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in [*self.kept, *self.packing.slots]:
+            p.grad = None
+        if self.speculative is not None and self.speculative.speculations:
+            self.speculative.discard()  # zero_grad without step(): the speculated weights are taken back
+        self.grads.send_partial_buckets()
+        if not any(slot.has_grad or slot.pending or (slot.bucket and slot.bucket.pending)
+                   for slot in self.packing.slots.values()):
+            return  # nothing arrived since step() consumed the gradients (and zeroed their buffers)
+        for slot in self.packing.slots.values():
+            self.grads.add_pending(slot)  # waits for the copies (and a delayed update) before the buffers change
+            slot.has_grad = False
+        for sub in self.packing.on_cpu():
+            sub.buffers["grad"].zero_()
+
+    # the state, read and restored (engine/state.py) -------------------------------------------------
     def master_weights(self) -> list[torch.Tensor]:
         """The fp32 master copy of each trainable parameter, in the order the optimizer holds them."""
-        self._quiesce()
-        on_disk = self._read_state("master")  # NVMe tier: copies read from the disk
+        self.quiesce()
+        on_disk = self.read_state("master")  # NVMe tier: copies read from the disk
         flat = {id(sub): on_disk[id(sub)]["master"] if id(sub) in on_disk else sub.buffers.get("master")
                 for sub in self.subgroups}
         if self.shard is not None:  # a collective: every rank calls it, and each subgroup comes from its owner
             for index, sub in enumerate(self.subgroups):
                 flat[id(sub)] = self.shard.broadcast_host(flat[id(sub)], sub.numel, index)
-        return [slot.shaped(flat[id(slot.subgroup)]) for slot in self._slots.values()]
+        return [slot.shaped(flat[id(slot.subgroup)]) for slot in self.packing.slots.values()]
 
-    def _read_state(self, *names: str) -> dict:
+    def read_state(self, *names: str) -> dict:
         """NVMe tier: {id(subgroup): {name: a fresh host tensor read from the disk}} ({} without the tier)."""
         if self.nvme is None:
             return {}
         self.nvme.drain()
         out = {}
-        for sub in self._on_cpu():
+        for sub in self.packing.on_cpu():
             out[id(sub)] = {name: self.dev.host_empty(sub.numel) for name in names}
             for name in names:
                 self.swapper.read(self.nvme.key(sub, name), into=out[id(sub)][name]).result()
         return out
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in [*self.kept, *self._slots]:
-            p.grad = None
-        if self._speculations:
-            self._discard()  # zero_grad without step(): the speculated weights are taken back
-        self._send_partial_buckets()
-        if not any(slot.has_grad or slot.pending or (slot.bucket and slot.bucket.pending)
-                   for slot in self._slots.values()):
-            return  # nothing arrived since step() consumed the gradients (and zeroed their buffers)
-        for slot in self._slots.values():
-            self._add_pending(slot)  # waits for the copies (and a delayed update) before the buffers change
-            slot.has_grad = False
-        for sub in self._on_cpu():
-            sub.buffers["grad"].zero_()
-
-    # checkpoints (engine/state.py) -----------------------------------------------------------
     def state_dict(self) -> dict:
         """Hyper-parameters, loss-scale state, and per parameter (in param_groups order) its step count, fp32
         master weights and moments, as CPU tensors (see engine/state.py)."""
-        return optimizer_state.save(self)
+        return state.save(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a `state_dict()` of an OffloadAdam over the same model; refuses (changing nothing) a
         checkpoint of another model (see engine/state.py)."""
-        optimizer_state.load(self, state_dict)
+        state.load(self, state_dict)
+
+
+def _device_optimizer(param_groups: list[dict], kept: list) -> tuple[torch.optim.AdamW | None, list[dict]]:
+    """torch's AdamW over the parameters `kept` on the device, one group per outer group that has some."""
+    kept = set(kept)
+    outer = [g for g in param_groups if any(p in kept for p in g["params"])]
+    if not outer:
+        return None, []
+    groups = [{"params": [p for p in g["params"] if p in kept]} for g in outer]
+    return torch.optim.AdamW(groups, foreach=False), outer

@@ -203,14 +203,14 @@ class WeightGather:
             self._complete()
 
 
-def settings_of(opt) -> dict:
+def settings_of(options, param_groups: list[dict], slots, subgroups: list, nvme: bool) -> dict:
     """What must match across ranks for sharded offload to make sense: options, hyper-parameters, the model's
     shapes and dtypes, the subgroup sizes."""
-    return {"options": dataclasses.asdict(opt.options),
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-            "parameters": [(tuple(s.param.shape), str(s.param.dtype)) for s in opt._slots.values()],
-            "subgroups": [sub.numel for sub in opt.subgroups],
-            "nvme": opt.swapper is not None}
+    return {"options": dataclasses.asdict(options),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in param_groups],
+            "parameters": [(tuple(s.param.shape), str(s.param.dtype)) for s in slots],
+            "subgroups": [sub.numel for sub in subgroups],
+            "nvme": nvme}
 
 
 def _global(group, rank: int) -> int:

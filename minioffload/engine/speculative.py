@@ -1,13 +1,13 @@
 """The speculative update of OffloadAdam (chapter 4): each subgroup's CPU Adam starts while backward still runs.
 
-OffloadAdam inherits these methods; they act only with `speculative=True` (options.py):
+    speculative = SpeculativeUpdate(packing, loss_scale, grads, weights, options)   # with `speculative=True`
     backward  when a subgroup's gradients of the step's last backward (`backwards_per_step`) have all been sent,
-              `_arrived` hands it to one worker thread, which waits for its copies, adds them into the fp32
+              `arrived` hands it to one worker thread, which waits for its copies, adds them into the fp32
               gradient, takes its part of the clip norm and its overflow flag, runs Adam with the coefficient a clean,
               unclipped step has (1 / loss scale) *out of place* (`adam_fused_into`: the pre-step state stays), and
               uploads the new weights. The link and the CPU work while the device is still in backward.
-    step      `_join_speculation` waits for the worker. With the global norm and the overflow flag known,
-              `_commit` keeps a subgroup's speculated update (its new state swapped in, nothing copied) when its
+    step      `join` waits for the worker. With the global norm and the overflow flag known,
+              `commit` keeps a subgroup's speculated update (its new state swapped in, nothing copied) when its
               coefficient was the right one and its step counts, hyper-parameters and gradient are the ones the
               synchronous step would use; otherwise the step redoes it from the pre-step state, as the synchronous
               step does, and uploads again. An overflow skips the step: the device gets its old weights back.
@@ -28,7 +28,7 @@ Undoing Adam from the new state and the gradient would need no memory, but is no
 An extra backward after a subgroup speculated (more micro-batches than `backwards_per_step`) would run on weights
 already changed: it raises, the device gets its old weights back, and the optimizer state is untouched.
 
-What this is not: usable alone (a mixin of OffloadAdam, reading its dev, options, subgroups, buffers, ...).
+What this is not: the gradient path or the uploads (it calls gradients.py and weights.py for them).
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ from .. import layout
 from ..kernels.adam import adam_fused_into
 from ..kernels.gradnorm import sum_of_squares
 from ..layout import STATE, Subgroup
+from ..options import OffloadOptions
+from .gradients import GradientPath
+from .packing import LossScale, Packing
+from .weights import WeightUploads
 
 
 @dataclass
@@ -57,31 +61,28 @@ class Speculation:
     ran: bool = False  # Adam ran and its weights went up
 
 
-class SpeculativeSteps:
-    """OffloadAdam's methods for the speculative update (see the module docstring)."""
-
-    def _start_speculation(self) -> None:
-        self._speculating = self.options.speculative
-        self._speculations: dict[int, Speculation] = {}
+class SpeculativeUpdate:
+    def __init__(self, packing: Packing, loss_scale: LossScale, grads: GradientPath, weights: WeightUploads,
+                 options: OffloadOptions):
+        self.packing, self.loss_scale, self.grads, self.weights = packing, loss_scale, grads, weights
+        self.max_grad_norm, self.backwards_per_step = options.max_grad_norm, options.backwards_per_step
+        self.speculations: dict[int, Speculation] = {}  # id(subgroup) -> this step's speculation
         self._landed: dict[int, set[int]] = {}  # id(subgroup) -> ids of slots whose gradient came in this backward
         self._backwards: dict[int, int] = {}  # id(subgroup) -> backward passes that completed it since the step
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="speculative adam") if self._speculating else None
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="speculative adam")
         self._futures: list = []
         # subgroups whose speculated update was kept, redone (clipped, or a setting changed), or taken back (overflow)
-        self.speculation = {"kept": 0, "redone": 0, "taken back": 0}
-        if self._speculating:
-            for sub in self._on_cpu():  # the second set of state: 12 B/param of pinned host memory
-                sub.spare = {name: self.dev.host_empty(sub.numel) for name in STATE}
+        self.counts = {"kept": 0, "redone": 0, "taken back": 0}
+        for sub in packing.on_cpu():  # the second set of state: 12 B/param of pinned host memory
+            sub.spare = {name: packing.dev.host_empty(sub.numel) for name in STATE}
 
-    def _arrived(self, sub: Subgroup, slot) -> None:
+    def arrived(self, sub: Subgroup, slot) -> None:
         """Backward hook, after the slot's gradient left: count it; speculate when the subgroup is complete."""
-        if not self._speculating:
-            return
         key = id(sub)
-        if key in self._speculations:
-            self._discard()
+        if key in self.speculations:
+            self.discard()
             raise RuntimeError(f"a backward ran after the speculative update of its last one "
-                               f"(backwards_per_step={self.options.backwards_per_step}): set backwards_per_step to "
+                               f"(backwards_per_step={self.backwards_per_step}): set backwards_per_step to "
                                "the micro-batches per step. The device has its old weights back and the optimizer "
                                "state is unchanged; call zero_grad() and run the step again")
         landed = self._landed.setdefault(key, set())
@@ -92,74 +93,76 @@ class SpeculativeSteps:
             return
         landed.clear()
         self._backwards[key] = self._backwards.get(key, 0) + 1
-        if self._backwards[key] != self.options.backwards_per_step:
+        if self._backwards[key] != self.backwards_per_step:
             return
-        self.dev.stream_waits_for_compute(self.h2d)  # from backward's thread: its uploads follow what backward queued
+        # from backward's thread: its uploads follow what backward queued
+        self.packing.dev.stream_waits_for_compute(self.packing.h2d)
         steps = tuple(s.step + 1 for s in sub.slots)
         runs = layout.runs(sub, sub.slots)
         hyper = tuple(tuple(run[0].group[k] for k in ("lr", "betas", "eps", "weight_decay")) for run in runs)
-        spec = Speculation(1.0 / self.scale, steps, hyper)
-        self._speculations[key] = spec
+        spec = Speculation(1.0 / self.loss_scale.scale, steps, hyper)
+        self.speculations[key] = spec
         self._futures.append(self._worker.submit(self._speculate, sub, spec, numba.get_num_threads()))
 
     def _speculate(self, sub: Subgroup, spec: Speculation, threads: int) -> None:
         """On the worker thread: gather the gradient, measure it, update out of place, upload."""
         numba.set_num_threads(threads)  # as many as the step's own passes: the norm's partial sums then agree
         for slot in sub.slots:
-            self._add_pending(slot)
+            self.grads.add_pending(slot)
         grad = sub.buffers["grad"]
-        if self.options.max_grad_norm is not None:
+        if self.max_grad_norm is not None:
             spec.squares = sum_of_squares(grad)
-        if self.scale != 1.0 or self.dynamic:
+        if self.loss_scale.on:
             spec.finite = bool(torch.isfinite(grad).all())
         if not spec.finite:
             return  # the step will be skipped: nothing to update
         old, new = sub.buffers, sub.spare
-        with self.dev.trace.span("cpu", f"adam {sub.numel / 1e6:.2f}M (speculative)", 28 * sub.numel):
+        with self.packing.dev.trace.span("cpu", f"adam {sub.numel / 1e6:.2f}M (speculative)", 28 * sub.numel):
             for run, (lr, betas, eps, decay) in zip(layout.runs(sub, sub.slots), spec.hyper, strict=True):
                 span = slice(run[0].offset, run[-1].offset + run[-1].numel)
                 adam_fused_into(old["master"][span], grad[span], old["exp_avg"][span], old["exp_avg_sq"][span],
                                 new["master"][span], new["exp_avg"][span], new["exp_avg_sq"][span],
                                 grad_scale=spec.coef, step=run[0].step + 1, lr=lr, beta1=betas[0], beta2=betas[1],
                                 eps=eps, weight_decay=decay)
-        self._send_weights(sub, new["master"], wait_for_compute=False)
+        self.weights.send(sub, new["master"], wait_for_compute=False)
         spec.ran = True
 
-    def _join_speculation(self) -> dict[int, Speculation]:
+    def join(self) -> dict[int, Speculation]:
         """Wait for the worker; the speculations of this step by id(subgroup). A worker's error is raised here."""
         futures, self._futures = self._futures, []
         for future in futures:
             future.result()
-        return self._speculations
+        return self.speculations
 
-    def _commit(self, sub: Subgroup, coef: float, slots: list, hyper: dict) -> bool:
+    def commit(self, sub: Subgroup, coef: float, slots: list, hyper: dict) -> bool:
         """Keep `sub`'s speculated update if it is what the synchronous step would compute now (the new state
         swapped in); False: the caller updates it."""
-        spec = self._speculations.get(id(sub))
+        spec = self.speculations.get(id(sub))
         if spec is None or not spec.ran:
             return False
         runs = layout.runs(sub, slots)
         now = tuple(tuple(hyper[id(run[0].group)][k] for k in ("lr", "betas", "eps", "weight_decay")) for run in runs)
         if (coef != spec.coef or len(slots) != len(sub.slots) or spec.hyper != now
                 or spec.steps != tuple(s.step for s in sub.slots)):
-            self.speculation["redone"] += 1
+            self.counts["redone"] += 1
             return False  # redone from the pre-step state, which the speculation left as it was
         for name in STATE:  # the speculated state becomes the state; the old one the next spare
             sub.buffers[name], sub.spare[name] = sub.spare[name], sub.buffers[name]
-        self.speculation["kept"] += 1
+        self.counts["kept"] += 1
         return True
 
-    def _discard(self) -> None:
-        """Drop this step's speculations: the device gets back the weights of the state that stays."""
-        self._join_speculation()
-        for sub in self.subgroups:
-            if self._speculations.get(id(sub)) is not None and self._speculations[id(sub)].ran:
-                self._send_weights(sub, sub.buffers["master"])
-                self.speculation["taken back"] += 1
-        self._uploaded = self.dev.event()
-        self._uploaded.record(self.h2d)
-        self._next_forward_waits()  # the next forward reads the weights taken back, not the speculated ones
-        self._end_speculation()
+    def discard(self) -> None:
+        """Drop this step's speculations: the device gets back the weights of the state that stays, and the next
+        forward reads those."""
+        self.join()
+        for sub in self.packing.subgroups:
+            if self.speculations.get(id(sub)) is not None and self.speculations[id(sub)].ran:
+                self.weights.send(sub, sub.buffers["master"])
+                self.counts["taken back"] += 1
+        self.weights.sent()
+        self.weights.forward_waits()
+        self.end()
 
-    def _end_speculation(self) -> None:
-        self._speculations, self._landed, self._backwards = {}, {}, {}
+    def end(self) -> None:
+        """The step is over: the next backward starts counting afresh."""
+        self.speculations, self._landed, self._backwards = {}, {}, {}

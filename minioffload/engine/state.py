@@ -17,41 +17,47 @@ from __future__ import annotations
 
 from ..layout import STATE, Where
 from .delayed import DelayedUpdate
-from .sharding import WeightGather
 
 
 def save(opt) -> dict:
     """The state of `opt` (an OffloadAdam), after its update work has finished."""
-    opt._quiesce()
-    slots = list(opt._slots.values())
-    unsent = {id(slot) for slot in opt.delayed.unsent} if opt.delayed else set()
-    on_disk = opt._read_state(*STATE)
+    opt.quiesce()
+    packing = opt.packing
+    on_disk = opt.read_state(*STATE)
     state = {}
-    for index, slot in enumerate(slots):
-        if not opt._mine(slot.subgroup):
+    for index, slot in enumerate(packing.slots.values()):
+        if not packing.mine(slot.subgroup):
             continue  # another rank's part
         buffers = on_disk.get(id(slot.subgroup), slot.subgroup.buffers)
         state[index] = {"step": slot.step, "shape": tuple(slot.param.shape),
                         **{name: slot.view(buffers[name]).to("cpu", copy=True) for name in STATE}}
-    return {"state": state, "params": len(slots),
+    return {"state": state, **settings(opt)}
+
+
+def settings(opt) -> dict:
+    """What a state dict holds besides the per-parameter tensors: the groups' settings, the loss scale, the
+    delayed update's unsent parameters (by index) and the kept parameters' torch state."""
+    slots = list(opt.packing.slots.values())
+    unsent = {id(slot) for slot in opt.delayed.unsent} if opt.delayed else set()
+    return {"params": len(slots),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
             "loss_scale": {"scale": opt.scale, "clean_steps": opt.clean_steps, "skipped": opt.skipped_steps},
             "updates": opt.updates,
             "unsent": [i for i, slot in enumerate(slots) if id(slot) in unsent],
             "kept_shapes": [tuple(p.shape) for p in opt.kept],
-            "kept": None if opt._device_opt is None else opt._device_opt.state_dict()}
+            "kept": None if opt.kept_optimizer is None else opt.kept_optimizer.state_dict()}
 
 
 def check(opt, state_dict: dict) -> None:
     """Refuse a checkpoint of another model (ValueError naming what differs); changes nothing."""
-    slots = list(opt._slots.values())
+    slots = list(opt.packing.slots.values())
     saved = state_dict.get("state", {})
     groups = state_dict.get("param_groups", [])
     total = state_dict.get("params", len(saved))
     if total != len(slots) or len(groups) != len(opt.param_groups):
         raise ValueError(f"checkpoint holds {total} parameters in {len(groups)} groups; this optimizer has "
                          f"{len(slots)} in {len(opt.param_groups)}: is it from another model?")
-    owned = [index for index, slot in enumerate(slots) if opt._mine(slot.subgroup)]
+    owned = [index for index, slot in enumerate(slots) if opt.packing.mine(slot.subgroup)]
     missing = [index for index in owned if index not in saved]
     if missing:
         raise ValueError(f"checkpoint lacks parameters {missing[:8]}{' ...' if len(missing) > 8 else ''} that this "
@@ -72,17 +78,18 @@ def load(opt, state_dict: dict) -> None:
     """Restore `state_dict` into `opt`. The model's weights are set to the masters, rounded to their dtype,
     except those a delayed update had not sent when the checkpoint was taken: with delayed updates on, they
     are sent at the next step(), as they would have been (load the model's state_dict as well)."""
-    opt._quiesce()
+    opt.quiesce()
+    packing = opt.packing
     if opt.device_path is not None:
         opt.device_path.cancel()  # state a backward brought in is the old state: fetch it again
     check(opt, state_dict)
-    slots = list(opt._slots.values())
+    slots = list(packing.slots.values())
     saved = state_dict["state"]
     for group, saved_group in zip(opt.param_groups, state_dict["param_groups"], strict=True):
         group.update(saved_group)
     positions = {id(slot): index for index, slot in enumerate(slots)}
     for index, slot in enumerate(slots):
-        if not opt._mine(slot.subgroup):
+        if not packing.mine(slot.subgroup):
             continue
         slot.step = saved[index]["step"]
         if opt.nvme is None or slot.subgroup.where != Where.CPU:
@@ -91,46 +98,48 @@ def load(opt, state_dict: dict) -> None:
     if opt.shard is not None:
         _share_weights(opt, saved, positions)
     elif opt.nvme is not None:  # NVMe tier: each subgroup's state goes to the disk and its weights up
-        for sub in opt.nvme.visit(opt._on_cpu()):
+        for sub in opt.nvme.visit(packing.on_cpu()):
             for slot in sub.slots:
                 for name in STATE:
                     slot.view(sub.buffers[name]).copy_(saved[positions[id(slot)]][name])
-            opt._upload(sub.slots)
-    if opt._device_opt is not None:
-        opt._device_opt.load_state_dict(state_dict["kept"])
+            opt.weights.upload(sub.slots)
+    if opt.kept_optimizer is not None:
+        opt.kept_optimizer.load_state_dict(state_dict["kept"])
     scale = state_dict["loss_scale"]
-    opt.scale, opt.clean_steps, opt.skipped_steps = scale["scale"], scale["clean_steps"], scale["skipped"]
+    loss_scale = opt.loss_scale
+    loss_scale.scale, loss_scale.clean_steps, loss_scale.skipped_steps = (scale["scale"], scale["clean_steps"],
+                                                                          scale["skipped"])
     opt.updates = state_dict.get("updates", 0)
     unsent = set(state_dict.get("unsent", [])) if opt.delayed else set()
     if opt.delayed:
         opt.delayed.unsent = [slot for index, slot in enumerate(slots) if index in unsent]
-        if opt.delayed.unsent and opt._uploaded is not None:
-            opt._uploaded.synchronize()  # an earlier upload may still read the upload buffers
+        if opt.delayed.unsent and opt.weights.uploaded is not None:
+            opt.weights.uploaded.synchronize()  # an earlier upload may still read the upload buffers
         for slot in opt.delayed.unsent:
             DelayedUpdate.stash(slot)
     if opt.nvme is None and opt.shard is None:
-        opt._upload([slot for index, slot in enumerate(slots)
+        opt.weights.upload([slot for index, slot in enumerate(slots)
                      if index not in unsent and slot.subgroup.where == Where.CPU])
     for slot in slots:
         if slot.subgroup.where != Where.CPU:  # updated on the device: its weights are written directly
-            slot.param.data.copy_(opt._master(slot))
+            slot.param.data.copy_(packing.master(slot))
     if opt.streamer is not None:
         opt.streamer.updated()  # streamed weights: written home
-    opt._uploaded = opt.dev.event()
-    opt._uploaded.record(opt.h2d)
-    opt._next_forward_waits()
+    opt.weights.sent()
+    opt.next_forward_waits()
 
 
 def _share_weights(opt, saved: dict, positions: dict) -> None:
     """Sharded: each owner's state to its disk (NVMe tier), its weights up and broadcast to every rank."""
     if opt.streamer is not None:
         opt.streamer.quiesce()  # homes change below
-    gather = WeightGather(opt.shard, opt.dev, opt._write_weights, in_flight=2 * opt.shard.world)
-    own = opt.nvme.visit(opt._on_cpu()) if opt.nvme is not None else opt._on_cpu()
-    for sub in opt._interleave(own, {id(slot) for slot in opt._slots.values()}, gather):
+    sharded, packing = opt.sharded, opt.packing
+    gather = sharded.gather()
+    own = opt.nvme.visit(packing.on_cpu()) if opt.nvme is not None else packing.on_cpu()
+    for sub in sharded.interleave(own, {id(slot) for slot in packing.slots.values()}, gather):
         if opt.nvme is not None:
             for slot in sub.slots:
                 for name in STATE:
                     slot.view(sub.buffers[name]).copy_(saved[positions[id(slot)]][name])
-        opt._send_subgroup(sub, gather)
+        sharded.send_subgroup(sub, gather)
     gather.finish()

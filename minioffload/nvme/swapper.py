@@ -69,6 +69,15 @@ class _ShortRead(Exception):
     """A read that got fewer bytes than the index says the file holds."""
 
 
+def fsync_path(path: Path) -> None:
+    """Make a file's bytes, or a directory's entries (a rename into it), durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class Swapper:
     """Asynchronous, durable tensor storage in one directory. `block_size`: bytes per system call (a multiple
     of 4096); `workers`: threads issuing them; `direct`: try O_DIRECT; `verify`: check checksums on read;
@@ -264,11 +273,7 @@ class Swapper:
                 temporary.unlink(missing_ok=True)  # a full disk gets its blocks back
                 raise
             self.index = index
-            directory = os.open(self.directory, os.O_RDONLY)
-            try:
-                os.fsync(directory)
-            finally:
-                os.close(directory)
+            fsync_path(self.directory)  # the directory entry of the rename
 
     def _release(self, key: str, slot: int) -> None:
         """After a failed write: remove its slot file, which the index does not point to (it held a version two

@@ -43,8 +43,9 @@ from pathlib import Path
 
 import torch
 
+from ..engine import state as engine_state
 from ..layout import STATE, Where
-from ..nvme.swapper import Swapper
+from ..nvme.swapper import Swapper, fsync_path
 
 MANIFEST = "MANIFEST.json"
 
@@ -128,7 +129,7 @@ class AsyncCheckpointer:
         """Write everything the next update would change; then release it. Returns the seconds it took."""
         started = time.perf_counter()
         opt = self.opt
-        opt._join_update()  # a delayed update of this step may still be running behind step()
+        opt.join_update()  # a delayed update of this step may still be running behind step()
         if opt.device_path is not None:
             opt.device_path.wait()  # the hybrid path's state is back in host memory (or written on the device)
         if opt.nvme is not None:
@@ -154,7 +155,7 @@ class AsyncCheckpointer:
                 future.result()
         torch.save({"step": step, "extra": extra, "rng": rng, "layout": layout, "optimizer": _settings(opt),
                     "model": _model_tensors(self.model, opt)}, path / "meta.pt")
-        _fsync(path / "meta.pt")
+        fsync_path(path / "meta.pt")
         self._captured.set()
         return time.perf_counter() - started
 
@@ -193,7 +194,7 @@ def load(path, model: torch.nn.Module, opt) -> tuple[int, dict]:
         state[index] = {"step": settings["steps"][index], "shape": tuple(settings["shapes"][index]),
                         **{name: flat[sub, name][offset:offset + numel].clone() for name in STATE}}
     missing, unexpected = model.load_state_dict(meta["model"], strict=False)
-    offloaded = {name for name, p in model.named_parameters() if p in opt._slots}
+    offloaded = {name for name, p in model.named_parameters() if p in opt.packing.slots}
     if unexpected or set(missing) - offloaded:
         raise ValueError(f"checkpoint {path} does not fit this model: missing {sorted(set(missing) - offloaded)}, "
                          f"unexpected {sorted(unexpected)}")
@@ -207,24 +208,16 @@ def load(path, model: torch.nn.Module, opt) -> tuple[int, dict]:
 # the pieces ----------------------------------------------------------------------------------------------
 def _settings(opt) -> dict:
     """What opt.state_dict() holds besides the per-parameter tensors (written from the live buffers instead)."""
-    slots = list(opt._slots.values())
-    unsent = {id(slot) for slot in opt.delayed.unsent} if opt.delayed else set()
+    slots = list(opt.packing.slots.values())
     return {"steps": [slot.step for slot in slots], "shapes": [tuple(slot.param.shape) for slot in slots],
-            "state_dict": {
-                "params": len(slots),
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-                "loss_scale": {"scale": opt.scale, "clean_steps": opt.clean_steps, "skipped": opt.skipped_steps},
-                "updates": opt.updates,
-                "unsent": [i for i, slot in enumerate(slots) if id(slot) in unsent],
-                "kept_shapes": [tuple(p.shape) for p in opt.kept],
-                "kept": None if opt._device_opt is None else opt._device_opt.state_dict()}}
+            "state_dict": engine_state.settings(opt)}
 
 
 def _model_tensors(model: torch.nn.Module, opt) -> dict:
     """The model's state dict without the offloaded parameters (their masters are the checkpoint's); a delayed
     update's unsent parameters are kept: their weights on the device are one update behind their masters."""
     unsent = {id(slot.param) for slot in opt.delayed.unsent} if opt.delayed else set()
-    offloaded = {id(p) for p in opt._slots if id(p) not in unsent}
+    offloaded = {id(p) for p in opt.packing.slots if id(p) not in unsent}
     params = dict(model.named_parameters())
     return {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()
             if not (name in params and id(params[name]) in offloaded)}
@@ -240,7 +233,7 @@ def _link_or_copy(source: Swapper, source_key: str, target: Swapper, key: str) -
         os.link(file, linked)
     except OSError:  # another file system, or links refused: copy the bytes
         shutil.copyfile(file, linked)
-        _fsync(linked)
+        fsync_path(linked)
     target._commit(key, entry)
 
 
@@ -267,14 +260,6 @@ def _commit_manifest(path: Path, manifest: dict) -> None:
              if f.is_file() and not f.name.startswith(MANIFEST)}
     temporary = path / (MANIFEST + ".tmp")
     temporary.write_text(json.dumps({**manifest, "files": files}))
-    _fsync(temporary)
+    fsync_path(temporary)
     os.replace(temporary, path / MANIFEST)
-    _fsync(path)  # the directory entry of the rename
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)  # the directory entry of the rename

@@ -1,14 +1,15 @@
 """minioffload: a small, real runtime for training models larger than GPU memory.
 
-Each module is one piece the course builds: `memory` (byte accounting), the device and its streams,
-CPU Adam, the offload engine and the NVMe swapper. It needs torch, NumPy, Numba and xxhash alone.
-The course's own layer (lab graders, figures, widgets) is `minioffload.course`, which no runtime module imports.
+A few vocabulary modules (units, options, layout, ledger, trace, pinned, paths) and a package per concern: kernels,
+devices, nvme, model, machine, predict, engine (OffloadAdam), train, planner, cli. It needs torch, NumPy, Numba,
+xxhash and SciPy alone. The course's own layer (lab graders, figures, widgets) is `minioffload.course`, which no
+runtime module imports.
 """
 
 __version__ = "0.1.0"
 
 # The runtime's front door:  from minioffload import OffloadAdam, OffloadOptions, device, Swapper, Ledger
-# `device` is bound here, eagerly: the function, not its module (minioffload.devices), which has the same name.
+# `device` is bound here, eagerly; the rest is imported on first use.
 from .devices import Device, device  # noqa: E402,F401
 
 _LAZY = {"OffloadAdam": "engine", "OffloadOptions": "options", "Swapper": "nvme", "Ledger": "ledger",

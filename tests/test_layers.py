@@ -70,3 +70,27 @@ def test_the_front_door_exports_the_runtime():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "has no attribute 'Nothing'" in result.stdout
+
+
+def test_the_top_level_shows_the_architecture():
+    entries = [p.name for p in (ROOT / "minioffload").iterdir() if p.name != "__pycache__"]
+    assert len(entries) <= 25, sorted(entries)
+    packages = {p.name for p in (ROOT / "minioffload").iterdir() if (p / "__init__.py").is_file()}
+    assert {"kernels", "devices", "nvme", "model", "predict", "machine", "engine", "train", "planner", "cli",
+            "course"} <= packages
+
+
+def test_the_engine_is_composed_not_inherited():
+    """OffloadAdam is a torch Optimizer and nothing else; no module outside the engine reaches into its privates."""
+    import re
+
+    import torch
+
+    from minioffload.engine.optimizer import OffloadAdam
+
+    assert OffloadAdam.__bases__ == (torch.optim.Optimizer,)
+    private = re.compile(r"\b(opt|optimizer|engine)\._[a-z]")
+    outside = [p for p in (ROOT / "minioffload").rglob("*.py") if "engine" not in p.parts]
+    reaching = [f"{p.relative_to(ROOT)}:{n}" for p in outside
+                for n, line in enumerate(p.read_text().splitlines(), 1) if private.search(line)]
+    assert not reaching, reaching

@@ -3,7 +3,7 @@
     rows = scaling(work, profiles.preset("8xh100-sxm"))             # one row per rank count
     rows[-1]["speedup"], rows[-1]["efficiency"]                      # tokens/s over one rank's; over the ideal
     capacity(profiles.preset("8xh100-sxm"), ranks=8)                 # the largest model the sharded state fits
-    PUBLISHED                                                        # the figures REFERENCES.md lists, with keys
+    PUBLISHED                                                        # what the papers report, with their keys
 
 Each rank runs its own micro-batch (`work.tokens` per rank), so the job's tokens per step grow with the ranks; the
 optimizer state is sharded (each rank's link, cores and drive carry 1/N of it), weights and gradients replicated
@@ -22,16 +22,16 @@ from ..machine.profiles import Hardware
 from .memory import PRECISIONS
 from .stepmodel import StepConfig, Workload, predict
 
-# Multi-GPU offload figures REFERENCES.md lists (citation keys of book/references.bib where it has the source). They
-# are capacities, not throughput: REFERENCES.md quotes no tokens/s at N GPUs. Both systems shard or stream the
+# Multi-GPU offload figures the papers report (citation keys of book/references.bib where it has the source). They
+# are capacities, not throughput: neither paper gives tokens/s at N GPUs. Both systems shard or stream the
 # weights too (ZeRO-3 style), which this sharding (weights replicated) does not: compare with `capacity`.
 PUBLISHED = (
     {"system": "ZeRO-Infinity", "key": "rajbhandari2021zeroinfinity", "gpus": 16, "hardware": "v100-dgx2",
      "params": 1e12, "kind": "capacity", "figure": "fine-tunes 1T parameters on one DGX-2 (NVMe offload)"},
     {"system": "SynergyScale", "key": None, "gpus": 1, "hardware": "A100 80 GB", "params": 114.41e9,
-     "kind": "capacity", "figure": "114.41B parameters on one 80 GB A100 (REFERENCES.md; not in references.bib)"},
+     "kind": "capacity", "figure": "114.41B parameters on one 80 GB A100 (SynergyScale, not in references.bib)"},
     {"system": "SynergyScale", "key": None, "gpus": 8, "hardware": "A100 80 GB", "params": 547.77e9,
-     "kind": "capacity", "figure": "547.77B parameters on eight A100s (REFERENCES.md; not in references.bib)"},
+     "kind": "capacity", "figure": "547.77B parameters on eight A100s (SynergyScale, not in references.bib)"},
 )
 
 

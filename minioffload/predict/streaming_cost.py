@@ -29,6 +29,7 @@ from ..machine import profiles
 from ..machine.profiles import Hardware
 from ..units import GB, GiB
 from . import memory
+from .shapes import ModelSpec
 from .stepmodel import Prediction, StepConfig, Workload, predict
 
 VOCAB, CONTEXT = 50257, 2048
@@ -44,30 +45,15 @@ GPT3 = {
 
 
 @dataclass(frozen=True)
-class Shape:
-    """A GPT of `n_layer` blocks, `d_model` wide, `n_head` heads (GPT-3's vocabulary and context)."""
+class Shape(ModelSpec):
+    """A GPT of `n_layer` blocks, `d_model` wide, `n_head` heads, with GPT-3's vocabulary and context; its workload
+    recomputes every block in backward."""
 
-    n_layer: int
-    d_model: int
-    n_head: int
+    vocab: int = VOCAB
+    seq_len: int = CONTEXT
 
-    @property
-    def block_params(self) -> int:
-        """Attention (4 d^2 + 4 d), MLP (8 d^2 + 5 d), two LayerNorms (4 d)."""
-        return 12 * self.d_model ** 2 + 13 * self.d_model
-
-    @property
-    def resident_params(self) -> int:
-        """Token and position embeddings (the head is tied to the first) and the final LayerNorm."""
-        return (VOCAB + CONTEXT + 2) * self.d_model
-
-    @property
-    def num_params(self) -> int:
-        return self.n_layer * self.block_params + self.resident_params
-
-    def workload(self, tokens: int, precision: str = "mixed_bf16") -> Workload:
-        return Workload(self.num_params, tokens, precision, 12 * self.n_layer + 4, True, self.n_layer,
-                        self.resident_params)
+    def workload(self, tokens: int, precision: str = "mixed_bf16", recompute: bool = True) -> Workload:
+        return super().workload(tokens, precision, recompute)
 
     def __str__(self) -> str:
         return f"{self.num_params / 1e9:.1f}B ({self.n_layer} x {self.d_model})"
@@ -113,7 +99,8 @@ def step(model: Shape, hw: Hardware, params_on: str, prefetch: int, precision: s
          tokens: int = CONTEXT) -> Prediction:
     """stepmodel.predict of `model` streamed from `params_on` at depth `prefetch` (the optimizer's state on NVMe with
     the "nvme" home), every block recomputed."""
-    config = StepConfig(subgroup_numel=SUBGROUP, nvme=params_on == "nvme", params_on=params_on, prefetch=prefetch)
+    config = StepConfig(optimizer_on="nvme" if params_on == "nvme" else "host", params_on=params_on,
+                        prefetch=prefetch, subgroup_numel=SUBGROUP)
     return predict(model.workload(tokens, precision), hw, config)
 
 

@@ -270,7 +270,7 @@ def _streamed_needs_offload(p: Placement, o: OffloadOptions) -> str | None:
 def _ranks_need_offload(p: Placement, o: OffloadOptions) -> str | None:
     if p.ranks > 1 and not p.offloaded:
         return (f"sharding the optimizer state, ranks={p.ranks} (train: shard), needs the offloaded optimizer, and "
-                f"{_ON_DEVICE} (data parallel ranks, which the runtime does not run): {_OFFLOAD}, or run one rank")
+                f"{_ON_DEVICE} (data parallel, which the runtime does not run): {_OFFLOAD}, or run one rank")
 
 
 def _streamed_synchronous(p: Placement, o: OffloadOptions) -> str | None:
@@ -292,11 +292,16 @@ def _sharded_synchronous(p: Placement, o: OffloadOptions) -> str | None:
                 "leave delay_updates_after, gpu_fraction, stride and speculative off, or run one rank")
 
 
+def _speculative_resident(p: Placement, o: OffloadOptions) -> str | None:
+    if o.speculative and p.streamed:
+        return (f"speculative=True uploads the new weights, and streamed weights (params_on={p.params_on!r}) take "
+                "the synchronous CPU update only; set speculative=False, or params_on='device'")
+
+
 def _speculative_on_host(p: Placement, o: OffloadOptions) -> str | None:
-    if o.speculative and (p.optimizer_on == "nvme" or p.streamed):
-        return ("speculative=True keeps a second set of state in host memory and uploads the weights: it is built "
-                "for the host tier (not the NVMe tier) with the weights on the device, params_on='device'; set "
-                "speculative=False, or keep both there")
+    if o.speculative and p.optimizer_on == "nvme":
+        return ("speculative=True keeps a second set of state in host memory: the engine builds it for the host "
+                "tier, not the NVMe tier; set speculative=False, or optimizer_on='host' (train: no nvme_dir)")
 
 
 def _ranks_resident(p: Placement, o: OffloadOptions) -> str | None:
@@ -309,7 +314,8 @@ _RULES = (  # (rule, where it holds), the first broken one's message is raised
     (_one_split, (RUN, MODEL)), (_delay_offloads_all, (RUN, MODEL)), (_delay_or_hybrid, (RUN, MODEL)),
     (_speculative_alone, (RUN, MODEL)), (_offload_only, (RUN, MODEL)), (_streamed_needs_offload, (RUN, MODEL)),
     (_ranks_need_offload, (RUN,)), (_streamed_synchronous, (RUN, MODEL)), (_nvme_synchronous, (RUN, MODEL)),
-    (_sharded_synchronous, (RUN, MODEL)), (_speculative_on_host, (RUN, MODEL)), (_ranks_resident, (MODEL,)),
+    (_sharded_synchronous, (RUN, MODEL)), (_speculative_resident, (RUN, MODEL)),
+    (_speculative_on_host, (RUN,)), (_ranks_resident, (MODEL,)),
 )
 
 
@@ -383,4 +389,4 @@ def name_flags(message: str, names: tuple[str, ...] | None = None) -> str:
     (for errors on the command line)."""
     if names is None:
         names = (*_DEFAULTS, *(f.name for f in dataclasses.fields(Placement)))
-    return re.sub(rf"\b({'|'.join(names)})\b(?!-)", lambda m: flag(m.group(1)), message)
+    return re.sub(rf"(?<![-\w])({'|'.join(names)})\b(?!-)", lambda m: flag(m.group(1)), message)

@@ -29,7 +29,7 @@ from .args import bytes_arg, parse_count
 TRAIN_PLACEMENT = ("params_on", "prefetch")  # the Placement fields train's flags set (the others: --offload, ...)
 # the settings' "optimizer_on='device' (train: offload=False)": train's flag for it
 TRAIN_FLAGS = {"offload=False": "--no-offload", "offload=True": "--offload", "nvme_dir": "--nvme-dir",
-               "shard": "--shard"}
+               "no nvme_dir": "no --nvme-dir", "shard": "--shard"}
 TRAIN_SPELLING = re.compile(r"\S+ \(train: ([^)]*)\)")
 
 

@@ -1,6 +1,7 @@
 """The shape of a GPT (`ModelSpec`): its blocks, width, heads, vocabulary and context, and what follows from them:
 parameters per block and outside the blocks, the parameter tensors' sizes in the model's order, one step's
-`Workload` for the step model.
+`Workload` for the step model; and GPT-3's shape family (Brown et al. 2020, Table 2.1: `shape`, `shape_for`, `Shape`
+with GPT-3's vocabulary and context), interpolated between the table's rows and extrapolated beyond 175B.
 
     spec = ModelSpec.of_params(70e9, seq_len=4096)      # a GPT-3-family shape of about 70B parameters
     spec = ModelSpec.of_preset("small")                 # one of the course's GPTs (models.GPTConfig presets)
@@ -12,6 +13,7 @@ What this is not: the GPT itself (model/gpt.py builds it), nor where its state l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 from .step_config import Workload
 
@@ -70,8 +72,6 @@ class ModelSpec:
     @classmethod
     def of_params(cls, num_params: float, seq_len: int = 2048, vocab: int = 50257) -> ModelSpec:
         """GPT-3's shape family (streaming_cost.shape_for) at about `num_params` parameters."""
-        from .streaming_cost import shape_for
-
         if not num_params >= 1e8:
             raise ValueError(f"num_params must be at least 1e8 for a GPT-3-family shape (the smallest, GPT-3 Small, "
                              f"has 125M); got {num_params!r}. For a course GPT use ModelSpec.of_preset")
@@ -93,3 +93,52 @@ class ModelSpec:
         what = f"GPT '{self.preset}'" if self.preset else "GPT"
         return f"{what} of {self.num_params / 1e9:.3g}B ({self.n_layer} x {self.d_model}, {self.n_head} heads, " \
                f"context {self.seq_len})"
+
+
+# GPT-3's shape family (chapter 8's streamed models, the planner's models of a size) --------------------
+VOCAB, CONTEXT = 50257, 2048
+# name -> (n_layer, d_model, n_head), Brown et al. 2020, Table 2.1
+GPT3 = {
+    "GPT-3 Small": (12, 768, 12), "GPT-3 Medium": (24, 1024, 16), "GPT-3 Large": (24, 1536, 16),
+    "GPT-3 XL": (24, 2048, 16),  # the table's 24 heads of 128 do not make 2048: 16 here
+    "GPT-3 2.7B": (32, 2560, 32), "GPT-3 6.7B": (32, 4096, 32),
+    "GPT-3 13B": (40, 5120, 40),  # the table's d_model 5140 does not split into 40 heads: 5120 here
+    "GPT-3 175B": (96, 12288, 96),
+}
+
+
+@dataclass(frozen=True)
+class Shape(ModelSpec):
+    """A GPT of `n_layer` blocks, `d_model` wide, `n_head` heads, with GPT-3's vocabulary and context; its workload
+    recomputes every block in backward."""
+
+    vocab: int = VOCAB
+    seq_len: int = CONTEXT
+
+    def workload(self, tokens: int, precision: str = "mixed_bf16", recompute: bool = True) -> Workload:
+        return super().workload(tokens, precision, recompute)
+
+    def __str__(self) -> str:
+        return f"{self.num_params / 1e9:.1f}B ({self.n_layer} x {self.d_model})"
+
+
+def shape(d_model: int) -> Shape:
+    """The family's shape of width `d_model` (a multiple of 128, at least 768)."""
+    if d_model % 128 or d_model < 768:
+        raise ValueError(f"d_model must be a multiple of 128, at least 768, got {d_model!r}")
+    rows = sorted(GPT3.values(), key=lambda row: row[1])
+    for n_layer, d, n_head in rows:
+        if d == d_model:
+            return Shape(n_layer, d, n_head)
+    for (l0, d0, _), (l1, d1, _) in pairwise(rows):
+        if d0 < d_model < d1:
+            return Shape(round(l0 + (l1 - l0) * (d_model - d0) / (d1 - d0)), d_model, d_model // 128)
+    return Shape(d_model // 128, d_model, d_model // 128)  # beyond 175B: 175B's aspect ratio
+
+
+def shape_for(num_params: float) -> Shape:
+    """The family's shape whose parameter count is closest to `num_params`."""
+    d = 768
+    while shape(d + 128).num_params <= num_params:
+        d += 128
+    return min(shape(d), shape(d + 128), key=lambda s: abs(s.num_params - num_params))

@@ -57,7 +57,7 @@ def predict(one: dict, ranks: int) -> float:
     work = stepmodel.Workload.of(model, tokens=BATCH * BLOCK, precision="fp32")
     flops = 6 * work.num_params * work.tokens / one["per_rank"][0]["compute_s"]
     hw = profiles.probe().replace(peak_flops_fp32=flops)
-    config = stepmodel.StepConfig(subgroup_numel=SUBGROUP, clip=True, mfu=1.0, ranks=ranks)
+    config = stepmodel.StepConfig(subgroup_numel=SUBGROUP, max_grad_norm=1.0, mfu=1.0, ranks=ranks)
     return stepmodel.predict(work, hw, config).step_s
 
 

@@ -192,7 +192,7 @@ def lower_bound(setup: Setup, work, hw, mfu: float) -> float | None:
     if setup.optimizer != "ours":
         return None
     options = OffloadOptions(**{"subgroup_numel": 1 << 22, **setup.options})
-    return stepmodel.predict(work, hw, stepmodel.StepConfig.of(options, mfu=mfu)).lower_bound_s
+    return stepmodel.predict(work, hw, stepmodel.StepConfig(options=options, mfu=mfu)).lower_bound_s
 
 
 def one_run(kind: str, rounds: int, link_gbps: float) -> tuple[list[dict], dict, int]:

@@ -61,11 +61,10 @@ SETUPS = {
 
 def config_of(options, model_mfu: float) -> stepmodel.StepConfig:
     if options == "device":
-        return stepmodel.StepConfig(offload=False, mfu=model_mfu)
-    return stepmodel.StepConfig(
-        subgroup_numel=options.get("subgroup_numel", 1 << 22), delay="delay_updates_after" in options,
-        gpu_fraction=options.get("gpu_fraction"), stride=options.get("stride"), nvme=bool(options.get("nvme")),
-        clip=options.get("max_grad_norm") is not None, mfu=model_mfu)
+        return stepmodel.StepConfig(optimizer_on="device", mfu=model_mfu)
+    options = dict(options)  # OffloadAdam's keywords, and nvme: its NVMe tier (a Swapper)
+    return stepmodel.StepConfig(optimizer_on="nvme" if options.pop("nvme", False) else "host", mfu=model_mfu,
+                                **options)
 
 
 def make_run(options, link_gbps: float, dtype: torch.dtype, scratch: Path, swappers: list):

@@ -188,7 +188,7 @@ def predicted_exposed(n_layer: int, link: Link, forward_s: float) -> dict[int, f
                                   link_d2h=link.bandwidth, link_latency=link.latency)
     out = {}
     for depth in (0, 1, 2):
-        config = stepmodel.StepConfig(offload=True, params_on="host", prefetch=depth, mfu=1.0)
+        config = stepmodel.StepConfig(params_on="host", prefetch=depth, mfu=1.0)
         out[depth] = stepmodel.predict(work, hw, config).exposed_fetch_fraction
     return out
 

@@ -18,7 +18,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .options import check_split
+from .options import Placement, check_field, check_split
 
 if TYPE_CHECKING:  # annotations only: the models of memory and time use this module without torch
     import torch
@@ -124,8 +124,7 @@ def shard_owners(sizes: list[int], ranks: int) -> list[int]:
     """The rank that owns each subgroup of `sizes` elements: in order, each goes to the rank holding the fewest
     elements so far (ties: the lowest rank). Deterministic, so every rank computes the same map; no rank holds
     more than the fairest share plus one subgroup."""
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
+    check_field(Placement, "ranks", ranks)
     held = [0] * ranks
     owners = []
     for size in sizes:

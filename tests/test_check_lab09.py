@@ -24,7 +24,8 @@ def fits_with(*, logits_bytes=8, full=True, one_fewer=False, in_flight=True, gra
             state = {"device": memory.footprint(precision, "adam", "device").bytes(model.num_params, "device"),
                      "host": 0, "nvme": 0}
         elif params_on == "device" or not streamed:
-            state = memory.engine_bytes(plan.tensor_numels(model), precision, subgroup_numel, nvme=nvme)
+            state = memory.engine_bytes(plan.tensor_numels(model), precision, optimizer_on="nvme" if nvme else "host",
+                                        subgroup_numel=subgroup_numel)
         else:
             state = memory.streamed_bytes(model.num_params, model.n_layer, model.resident_params, params_on,
                                           prefetch, precision, nvme=nvme, subgroup_numel=subgroup_numel)
@@ -62,9 +63,7 @@ def tokens_with(*, accumulate=True, repeat=False, policies_once=False, no_polici
         tokens = p.micro_batch * model.seq_len * (accum if whole_batch else 1)
         work = stepmodel.Workload(model.num_params, tokens, p.precision, model.num_tensors,
                                   num_layers=model.n_layer, resident_params=model.resident_params)
-        config = stepmodel.StepConfig(offload=p.optimizer_on != "device", subgroup_numel=p.subgroup_numel,
-                                      delay=p.delay, gpu_fraction=p.gpu_fraction, nvme=p.optimizer_on == "nvme",
-                                      clip=clip, mfu=limits.mfu, params_on=p.params_on, prefetch=p.prefetch)
+        config = p.step_config(limits.mfu).replace(max_grad_norm=1.0 if clip else None)
         one = stepmodel.predict(work, hw, config).step_s
         overhead = 0 if no_overhead else model.n_layer * limits.block_overhead_s
         costs = policy_costs(BlockShape(model.seq_len, p.micro_batch, model.d_model, model.n_head, mb), hw,
@@ -172,7 +171,7 @@ WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("9.1", fits_with(offloaded_on_host=False), "left out of host memory"),
     ("9.1", fits_with(offloaded_on_device=True), "offloaded activations counted on the device"),
     ("9.1", fits_with(value_bytes=2), "activations counted at 2 bytes per value"),
-    ("9.1", fits_with(nvme_flag=False), "pass nvme=True"),
+    ("9.1", fits_with(nvme_flag=False), "pass optimizer_on='nvme' to engine_bytes, nvme=True to streamed_bytes"),
     ("9.1", fits_with(streamed=False), "streamed weights counted as resident"),
     ("9.1", fits_with(negative=True), "never a negative number"),
     ("9.1", fits_with(machine=True), "limits.capacity(hw)"),

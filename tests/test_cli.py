@@ -91,14 +91,14 @@ def test_step_predicts_and_names_the_bound(capsys, tmp_path):
     out = capsys.readouterr().out
     assert re.search(r"predicted step \d+\.\d+ s .* bound by cpu", out)
     assert (tmp_path / "t.json").exists()
-    main(["step", "--params", "7B", "--hardware", "h100-sxm", "--delay"])
+    main(["step", "--params", "7B", "--hardware", "h100-sxm", "--delay-updates-after", "0"])
     delayed = float(re.search(r"predicted step (\d+\.\d+) s", capsys.readouterr().out)[1])
     assert delayed < float(re.search(r"predicted step (\d+\.\d+) s", out)[1])
 
 
 @pytest.mark.parametrize("argv, message", [
     (["step", "--stride", "0"], "stride must be an int >= 1"),
-    (["step", "--delay", "--nvme"], "choose one"),
+    (["step", "--delay-updates-after", "0", "--optimizer-on", "nvme"], "choose one"),
     (["step", "--mfu", "2"], "mfu must be in"),
     (["footprint", "--hardware", "h300"], "unknown hardware preset"),
     (["footprint", "--delay", "--placement", "device"], "--delay counts"),

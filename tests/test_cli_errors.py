@@ -35,14 +35,15 @@ WORDS = st.sampled_from(["sim", "cuda", "auto", "tpu", "tiny", "huge", "fp32", "
 FLAGS = {
     "footprint": ["--params", "--precision", "--optimizer", "--placement", "--gpu-gb", "--hardware"],
     "step": ["--params", "--tokens", "--hardware", "--precision", "--tensors", "--subgroup-numel", "--gpu-fraction",
-             "--stride", "--mfu"],
+             "--stride", "--mfu", "--delay-updates-after", "--optimizer-on", "--params-on", "--prefetch", "--ranks",
+             "--max-grad-norm", "--speculative"],
     "train": ["--device", "--model", "--block-size", "--batch-size", "--steps", "--lr", "--precision",
               "--grad-accum", "--seed", "--eval-every", "--subgroup-numel", "--max-grad-norm", "--loss-scale",
               "--growth-interval", "--min-offload-numel", "--delay-updates-after", "--gpu-fraction", "--stride",
               "--nvme-buffers", "--activations"],
     "hardware": [],
 }
-SWITCHES = {"footprint": ["--delay"], "step": ["--delay", "--nvme", "--clip", "--recompute", "--no-offload"],
+SWITCHES = {"footprint": ["--delay"], "step": ["--recompute"],
             "train": ["--no-offload", "--no-progress"], "hardware": ["--probe"]}
 
 

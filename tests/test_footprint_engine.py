@@ -51,8 +51,9 @@ def test_engine_allocates_exactly_what_the_calculator_says(precision, option, tm
         opt.flush()
         dev.synchronize()
         predicted = memory.engine_bytes(
-            [p.numel() for p in params], precision, 4000, delay="delay_updates_after" in options,
-            gpu_fraction=options.get("gpu_fraction"), stride=options.get("stride"), nvme=nvme,
+            [p.numel() for p in params], precision, optimizer_on="nvme" if nvme else "host", subgroup_numel=4000,
+            delay_updates_after=options.get("delay_updates_after"), gpu_fraction=options.get("gpu_fraction"),
+            stride=options.get("stride"),
             speculative=options.get("speculative", False),
             scratch_sets=opt.device_path.sets if opt.device_path is not None else 3)
         assert len(opt.subgroups) > 2
@@ -68,12 +69,12 @@ def test_engine_allocates_exactly_what_the_calculator_says(precision, option, tm
 def test_engine_bytes_per_param_is_the_footprints_for_a_large_model(precision):
     numels = [1 << 20] * 64
     fp = memory.footprint(precision, "adam", "optimizer_cpu")
-    got = memory.engine_bytes(numels, precision, 1 << 22)
+    got = memory.engine_bytes(numels, precision)
     assert got["host"] == fp.bytes(sum(numels), "host")
     assert got["device"] == fp.bytes(sum(numels), "device")
-    delayed = memory.engine_bytes(numels, precision, 1 << 22, delay=True)
+    delayed = memory.engine_bytes(numels, precision, delay_updates_after=0)
     fp_delayed = memory.footprint(precision, "adam", "optimizer_cpu", delay=True)
     assert delayed["host"] == fp_delayed.bytes(sum(numels), "host")
-    speculative = memory.engine_bytes(numels, precision, 1 << 22, speculative=True)
+    speculative = memory.engine_bytes(numels, precision, speculative=True)
     fp_speculative = memory.footprint(precision, "adam", "optimizer_cpu", speculative=True)
     assert speculative["host"] == fp_speculative.bytes(sum(numels), "host") == got["host"] + 12 * sum(numels)

@@ -264,7 +264,7 @@ def test_two_ranks_hold_an_optimizer_state_one_rank_cannot():
     assert "2 ranks" in best.describe() and best.tokens_per_step == 2 * best.micro_batch * best.grad_accum * 2048
     numels = plan.tensor_numels(spec)
     assert plan._state_bytes(spec, plan._key(best), "mixed_bf16", 2)["host"] == memory.engine_bytes(
-        numels, "mixed_bf16", best.subgroup_numel, delay=best.delay, ranks=2)["host"]
+        numels, "mixed_bf16", best.placement, best.options)["host"]
     again = plan.prediction(best, hw)
     assert again.ranks == 2 and again.interconnect_bytes > 0
     assert Plan.from_dict(json.loads(json.dumps(best.to_dict()))) == best
@@ -275,8 +275,10 @@ def test_ranks_refusals_in_the_planner():
         plan.Limits(ranks=0)
     spec = ModelSpec.of_preset("tiny")
     p = Plan(spec, "h100-sxm", "fp32", 1, 1, "host", "host", ("keep",) * spec.n_layer, prefetch=1)
-    for changes in ({}, {"params_on": "device", "delay": True}, {"optimizer_on": "device", "params_on": "device"}):
-        with pytest.raises(ValueError, match="ranks=2 shards the offloaded optimizer with every weight on each"):
+    for changes, says in (({}, "the step model predicts a sharded state with every weight on each device"),
+                          ({"params_on": "device", "delay": True}, "runs the synchronous CPU update"),
+                          ({"optimizer_on": "device", "params_on": "device"}, "needs the offloaded optimizer")):
+        with pytest.raises(ValueError, match=f"^Plan: .*ranks=2.*{says}"):
             dataclasses.replace(p, ranks=2, **changes)
     config = plan.train_config(dataclasses.replace(p, params_on="device", prefetch=0, ranks=2))
     assert config.shard and config.offload  # run under torchrun --nproc-per-node 2

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -45,8 +44,8 @@ def test_ring_bytes():
         ring_bytes("gather", 1, 2)
 
 
-@pytest.mark.parametrize("config", [{}, {"clip": True}, {"delay": True}, {"nvme": True}, {"offload": False},
-                                    {"params_on": "host"}, {"gpu_fraction": 0.25}])
+@pytest.mark.parametrize("config", [{}, {"max_grad_norm": 1.0}, {"delay_updates_after": 0}, {"optimizer_on": "nvme"},
+                                    {"optimizer_on": "device"}, {"params_on": "host"}, {"gpu_fraction": 0.25}])
 def test_one_rank_is_todays_prediction(config):
     hw = profiles.preset("h100-sxm")
     base = stepmodel.predict(SEVEN_B, hw, StepConfig(**config))
@@ -63,10 +62,10 @@ def test_one_rank_moves_the_gradients_down_and_the_weights_up():
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 def test_each_rank_moves_and_updates_its_own_shard(ranks):
-    hw, config = profiles.preset("8xh100-sxm"), StepConfig(clip=True)
+    hw, config = profiles.preset("8xh100-sxm"), StepConfig(max_grad_norm=1.0)
     one = stepmodel.predict(SEVEN_B, hw, config)
-    many = stepmodel.predict(SEVEN_B, hw, dataclasses.replace(config, ranks=ranks))
-    groups = SEVEN_B.subgroups(config.subgroup_numel)
+    many = stepmodel.predict(SEVEN_B, hw, config.replace(ranks=ranks))
+    groups = SEVEN_B.subgroups(config.options.subgroup_numel)
     largest = max(params for params, _ in groups) * SEVEN_B.model_bytes * 2  # down and up
     assert len(many.rank_link_bytes) == ranks and sum(many.rank_link_bytes) == pytest.approx(one.link_bytes)
     for link in many.rank_link_bytes:
@@ -82,7 +81,7 @@ def test_interconnect_bytes_follow_the_ring_formula(ranks):
     sharded = stepmodel.predict(SEVEN_B, hw, StepConfig(ranks=ranks))  # a reduce and a broadcast of every subgroup
     assert sharded.interconnect_bytes == pytest.approx(2 * grads * (ranks - 1) / ranks, rel=1e-6)
     assert sharded.busy["net"] >= sharded.interconnect_bytes / hw.interconnect
-    data_parallel = stepmodel.predict(SEVEN_B, hw, StepConfig(offload=False, ranks=ranks))  # an all-reduce
+    data_parallel = stepmodel.predict(SEVEN_B, hw, StepConfig(optimizer_on="device", ranks=ranks))  # an all-reduce
     assert data_parallel.interconnect_bytes == pytest.approx(2 * grads * (ranks - 1) / ranks, rel=1e-6)
     assert data_parallel.link_bytes == 0
 
@@ -94,7 +93,7 @@ def test_a_slow_interconnect_bounds_the_step():
 
 
 def test_the_trace_shows_rank_0_and_the_shared_lanes():
-    p = stepmodel.predict(SEVEN_B, profiles.preset("8xh100-sxm"), StepConfig(ranks=4, nvme=True))
+    p = stepmodel.predict(SEVEN_B, profiles.preset("8xh100-sxm"), StepConfig(ranks=4, optimizer_on="nvme"))
     assert {s.lane for s in p.trace.spans} == {"compute", "net", "d2h", "h2d", "cpu", "nvme_read", "nvme_write"}
     assert stepmodel.resource_of("nvme_read:3", profiles.preset("h100-sxm")) == "nvme:3"
     assert stepmodel.resource_of("cpu:3", profiles.preset("laptop").replace(shared_host=True)) == "host"
@@ -108,12 +107,12 @@ def test_on_a_shared_host_the_ranks_share_the_cores():
 
 
 def test_streaming_and_the_hybrid_update_are_refused_with_ranks():
-    with pytest.raises(ValueError, match="params_on='host' with ranks=2: the sharded engine keeps every weight"):
+    with pytest.raises(ValueError, match="params_on='host' with ranks=2: the step model predicts a sharded state"):
         StepConfig(params_on="host", ranks=2)
-    for option in ({"gpu_fraction": 0.5}, {"stride": 2}, {"delay": True}):
-        with pytest.raises(ValueError, match="delay, gpu_fraction and stride with ranks=2: the sharded engine runs"):
+    for option in ({"gpu_fraction": 0.5}, {"stride": 2}, {"delay_updates_after": 0}):
+        with pytest.raises(ValueError, match="sharded, ranks=2 .train: shard., runs the synchronous CPU update"):
             StepConfig(ranks=2, **option)
-    with pytest.raises(ValueError, match="gpu_fraction/stride with ranks=2"):
+    with pytest.raises(ValueError, match="sharded, ranks=2 .train: shard., runs the synchronous CPU update"):
         memory.engine_bytes([1 << 20] * 8, gpu_fraction=0.5, ranks=2)
 
 
@@ -123,13 +122,13 @@ def test_engine_bytes_per_rank_hold_the_largest_shard():
     two = memory.engine_bytes(numels, subgroup_numel=1 << 20, ranks=2)
     assert two["device"] == one["device"]  # weights replicated
     assert two["host"] == one["host"] * 4 / 7.5  # rank 0 owns 4 of the 7.5M elements
-    nvme_one = memory.engine_bytes(numels, subgroup_numel=1 << 20, nvme=True)
-    nvme_two = memory.engine_bytes(numels, subgroup_numel=1 << 20, nvme=True, ranks=2)
+    nvme_one = memory.engine_bytes(numels, subgroup_numel=1 << 20, optimizer_on="nvme")
+    nvme_two = memory.engine_bytes(numels, subgroup_numel=1 << 20, optimizer_on="nvme", ranks=2)
     assert nvme_two["nvme"] == nvme_one["nvme"] * 4 / 7.5
 
 
 def test_scaling_rows():
-    rows = scaling.scaling(SEVEN_B, profiles.preset("8xh100-sxm"), (1, 2, 4, 8), StepConfig(clip=True))
+    rows = scaling.scaling(SEVEN_B, profiles.preset("8xh100-sxm"), (1, 2, 4, 8), StepConfig(max_grad_norm=1.0))
     assert [r["ranks"] for r in rows] == [1, 2, 4, 8]
     assert rows[0]["speedup"] == 1 and rows[0]["efficiency"] == 1 and rows[0]["interconnect_bytes"] == 0
     for r in rows:

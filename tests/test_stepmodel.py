@@ -8,7 +8,7 @@ from itertools import pairwise
 import pytest
 
 from minioffload.machine import profiles
-from minioffload.options import OffloadOptions
+from minioffload.options import OffloadOptions, Placement
 from minioffload.predict import stepmodel
 from minioffload.predict.step_config import pack_buckets
 from minioffload.predict.stepmodel import StepConfig, Workload
@@ -34,7 +34,7 @@ def step(hw, **config):
 
 
 def test_on_device_step_is_forward_backward_and_device_adam():
-    pred = step(machine(), offload=False)
+    pred = step(machine(), optimizer_on="device")
     assert pred.step_s == pytest.approx(0.060 + N / 1e10)
     assert pred.bound == "compute" and not pred.exposed
 
@@ -65,7 +65,7 @@ def test_many_subgroups_hide_the_upload_behind_the_update():
 
 def test_cpu_bound_delayed_update_takes_the_updates_time_per_step():
     hw = machine(cpu_adam_rate=1e7)  # the update: 100 ms, longer than forward + backward
-    sync, delayed = step(hw), step(hw, delay=True)
+    sync, delayed = step(hw), step(hw, delay_updates_after=0)
     assert sync.bound == delayed.bound == "cpu"
     assert sync.step_s == pytest.approx(0.060 + 0.004 + 0.100 + 0.004, rel=0.02)  # fwd+bwd, d2h, Adam, h2d
     assert delayed.step_s == pytest.approx(0.100 + 0.004, rel=0.05)  # the update (and the weights' upload) per step
@@ -74,7 +74,7 @@ def test_cpu_bound_delayed_update_takes_the_updates_time_per_step():
 
 def test_delayed_update_hides_a_short_update_completely():
     hw = machine(link_h2d=1e10, link_d2h=1e10, cpu_adam_rate=1e8)  # update 10 ms < forward + backward
-    delayed = step(hw, delay=True)
+    delayed = step(hw, delay_updates_after=0)
     assert delayed.step_s == pytest.approx(0.060, rel=0.05)
     assert delayed.exposed["cpu"] == pytest.approx(0.0, abs=1e-3)
 
@@ -82,13 +82,14 @@ def test_delayed_update_hides_a_short_update_completely():
 def test_a_shared_host_runs_compute_and_the_cpu_update_one_after_the_other():
     hw = machine(link_h2d=1e10, link_d2h=1e10, cpu_adam_rate=1e8)
     shared = dataclasses.replace(hw, shared_host=True)
-    assert step(shared, delay=True).step_s == pytest.approx(step(hw, delay=True).step_s + 0.010, rel=0.05)
-    assert step(shared, delay=True).bound == "host"
+    assert step(shared, delay_updates_after=0).step_s == pytest.approx(
+        step(hw, delay_updates_after=0).step_s + 0.010, rel=0.05)
+    assert step(shared, delay_updates_after=0).bound == "host"
 
 
 def test_disk_bound_step_pays_reads_and_writes_on_one_drive():
     hw = machine(nvme_read=1e8, nvme_write=1e8, link_h2d=1e10, link_d2h=1e10)
-    pred = step(hw, nvme=True)  # 12 MB of state each way: 120 ms read + 120 ms write, one drive
+    pred = step(hw, optimizer_on="nvme")  # 12 MB of state each way: 120 ms read + 120 ms write, one drive
     assert pred.bound == "nvme"
     assert pred.busy["nvme_read"] == pytest.approx(0.120) and pred.busy["nvme_write"] == pytest.approx(0.120)
     # the last write drains during the next forward and backward (the runtime waits for it only when its
@@ -108,8 +109,9 @@ def test_hybrid_split_moves_work_from_the_cpu_to_the_device_path():
 
 
 def test_recompute_adds_a_forward():
-    base = stepmodel.predict(Workload(N, T, "fp32"), machine(), StepConfig(offload=False, mfu=1.0))
-    again = stepmodel.predict(Workload(N, T, "fp32", recompute=True), machine(), StepConfig(offload=False, mfu=1.0))
+    base = stepmodel.predict(Workload(N, T, "fp32"), machine(), StepConfig(optimizer_on="device", mfu=1.0))
+    again = stepmodel.predict(Workload(N, T, "fp32", recompute=True), machine(),
+                              StepConfig(optimizer_on="device", mfu=1.0))
     assert again.step_s - base.step_s == pytest.approx(0.020)
 
 
@@ -123,8 +125,9 @@ def test_presets_predict_a_7b_offloaded_step():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(delay=True, stride=2), "choose one"),
-    (dict(offload=False, nvme=True), "offload=True"),
+    (dict(delay_updates_after=0, stride=2), "choose one"),
+    (dict(optimizer_on="device", stride=2), "offload the optimizer, optimizer_on='host'"),
+    (dict(optimizer_on="gpu"), "optimizer_on must be one of 'device', 'host', 'nvme', got 'gpu'"),
     (dict(mfu=0), "mfu"),
     (dict(stride=0), "stride"),
     (dict(gpu_fraction=1.5), "gpu_fraction"),
@@ -144,7 +147,7 @@ def test_bad_workloads_are_refused():
 
 
 def test_compare_reports_ratio_and_error():
-    pred = step(machine(), offload=False)
+    pred = step(machine(), optimizer_on="device")
     row = stepmodel.compare(pred, pred.step_s * 2)
     assert row["ratio"] == pytest.approx(0.5) and row["relative_error"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="measured_step_s"):
@@ -262,7 +265,7 @@ def test_params_on_device_predicts_what_it_did_before_streaming_existed():
     # values computed by the step model before chapter 8 added params_on (same workloads, same presets)
     h100 = stepmodel.predict(Workload(7_000_000_000, 8 * 4096, num_tensors=291), profiles.preset("h100-sxm"))
     assert h100.step_s == pytest.approx(10.6452207916231, rel=1e-12)
-    config = StepConfig(nvme=True, clip=True, subgroup_numel=50_000_000)
+    config = StepConfig(optimizer_on="nvme", max_grad_norm=1.0, subgroup_numel=50_000_000)
     rtx4090 = profiles.preset("rtx4090")
     rtx = stepmodel.predict(Workload(1_300_000_000, 4096, "fp32", 150, True), rtx4090, config)
     # since issue 19 the weights go up in one copy per subgroup (5 tensors here): the last upload, which nothing
@@ -298,8 +301,8 @@ def torch_linear():
     (dict(prefetch=1.5), "prefetch must be an int >= 0"),
     (dict(prefetch=True), "prefetch must be an int >= 0"),
     (dict(params_on="gpu"), "params_on must be one of 'device', 'host', 'nvme', got 'gpu'"),
-    (dict(params_on="host", offload=False), "set offload=True"),
-    (dict(params_on="nvme", delay=True), "synchronous CPU update only"),
+    (dict(params_on="host", optimizer_on="device"), "streams weights that the CPU optimizer updates"),
+    (dict(params_on="nvme", delay_updates_after=0), "synchronous CPU update only"),
     (dict(params_on="host", stride=2), "synchronous CPU update only"),
 ])
 def test_bad_streaming_configurations_are_refused(bad, match):
@@ -392,7 +395,7 @@ def test_streamed_gradients_are_bucketed_too():
 def test_the_weights_go_up_in_one_copy_per_subgroup():
     latency = 1e-4
     for delay in (False, True):
-        pred = small(machine(link_latency=latency), delay=delay)
+        pred = small(machine(link_latency=latency), delay_updates_after=0 if delay else None)
         assert pred.busy["h2d"] == pytest.approx(N * 4 / 1e9 + 10 * latency), delay  # ten subgroups, 100 tensors
 
 
@@ -418,17 +421,18 @@ def test_a_tiny_update_gains_nothing_from_speculation():
 
 def test_speculative_clipping_costs_the_norms_read_and_a_validation_after_backward():
     hw = machine(cpu_adam_rate=2.5e7)
-    plain, clipped = small(hw, speculative=True), small(hw, speculative=True, clip=True)
+    plain, clipped = small(hw, speculative=True), small(hw, speculative=True, max_grad_norm=1.0)
     # the norm's read as the gradients are added in (4 B/param); the coefficient's pass only when it clips (a redo)
     assert clipped.busy["cpu"] - plain.busy["cpu"] == pytest.approx(N * 4 / 1e11)
-    sync_plain, sync_clipped = small(hw), small(hw, clip=True)
+    sync_plain, sync_clipped = small(hw), small(hw, max_grad_norm=1.0)
     assert sync_clipped.busy["cpu"] - sync_plain.busy["cpu"] == pytest.approx(N * stepmodel.CLIP_BYTES / 1e11)
     assert clipped.step_s < sync_clipped.step_s
 
 
-CONFIGS = [dict(), dict(clip=True), dict(delay=True), dict(stride=2), dict(gpu_fraction=0.5), dict(nvme=True),
-           dict(offload=False), dict(bucket_numel=30_000), dict(speculative=True, clip=True),
-           dict(speculative=True, nvme=True), dict(ranks=2, clip=True), dict(params_on="host", prefetch=2),
+CONFIGS = [dict(), dict(max_grad_norm=1.0), dict(delay_updates_after=0), dict(stride=2), dict(gpu_fraction=0.5),
+           dict(optimizer_on="nvme"), dict(optimizer_on="device"), dict(bucket_numel=30_000),
+           dict(speculative=True, max_grad_norm=1.0), dict(speculative=True, optimizer_on="nvme"),
+           dict(ranks=2, max_grad_norm=1.0), dict(params_on="host", prefetch=2),
            dict(params_on="nvme", bucket_numel=50_000)]
 
 
@@ -447,9 +451,9 @@ def test_the_lower_bound_is_the_busiest_resource_and_never_above_the_step(hw, co
 
 
 def test_the_lower_bound_on_simple_steps():
-    on_device = step(machine(), offload=False)  # compute alone: the step is its bound
+    on_device = step(machine(), optimizer_on="device")  # compute alone: the step is its bound
     assert on_device.lower_bound_s == pytest.approx(on_device.step_s) and on_device.lower_bound == "compute"
-    disk = step(machine(nvme_read=1e8, nvme_write=1e8, link_h2d=1e10, link_d2h=1e10), nvme=True)
+    disk = step(machine(nvme_read=1e8, nvme_write=1e8, link_h2d=1e10, link_d2h=1e10), optimizer_on="nvme")
     assert disk.lower_bound == "nvme" and disk.lower_bound_s == pytest.approx(0.240)  # reads + writes, one drive
     cpu = step(machine(cpu_adam_rate=1e7))  # a synchronous update: the CPU busy 100 ms, the step waits for more
     assert cpu.lower_bound == "cpu" and cpu.lower_bound_s == pytest.approx(cpu.busy["cpu"])
@@ -461,25 +465,30 @@ def test_the_lower_bound_on_simple_steps():
                                                                                   + shared.busy["cpu"])
 
 
-def test_step_config_carries_the_engines_new_options():
+def test_step_config_is_a_placement_and_the_engines_options():
     options = OffloadOptions(bucket_numel=1 << 16, speculative=True, max_grad_norm=1.0)
-    config = StepConfig.of(options)
-    assert config.bucket_numel == 1 << 16 and config.speculative and config.clip
-    assert config.options.bucket_numel == 1 << 16 and config.options.speculative
+    config = StepConfig(options=options)
+    assert config.options == options and config.placement == Placement() and config.mfu == 0.4
+    assert StepConfig(bucket_numel=1 << 16, speculative=True, max_grad_norm=1.0) == config
+    assert StepConfig(Placement(optimizer_on="nvme"), mfu=0.5) == StepConfig(optimizer_on="nvme", mfu=0.5)
+    assert config.replace(ranks=2, speculative=False).placement.ranks == 2
+    with pytest.raises(TypeError, match="unknown setting.*delay.*Placement has"):
+        StepConfig(delay=True)
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(speculative=True, delay=True), "speculative and a delayed or hybrid update"),
+    (dict(speculative=True, delay_updates_after=0), "speculative and a delayed or hybrid update"),
     (dict(speculative=True, stride=2), "speculative and a delayed or hybrid update"),
     (dict(speculative=True, gpu_fraction=0.5), "speculative and a delayed or hybrid update"),
-    (dict(speculative=True, ranks=2), "speculative with ranks=2"),
-    (dict(speculative=True, params_on="host"), "speculative with params_on='host'"),
+    (dict(speculative=True, ranks=2), "sharded, ranks=2 .train: shard., runs the synchronous CPU update"),
+    (dict(speculative=True, params_on="host"), "speculative=True uploads the new weights, and streamed weights"),
     (dict(speculative="yes"), "speculative must be True or False"),
     (dict(bucket_numel=0), "bucket_numel must be None"),
     (dict(bucket_numel=2.5), "bucket_numel must be None"),
-    (dict(offload=False, bucket_numel=1024), "bucket_numel is an option of the offloaded optimizer"),
-    (dict(offload=False, speculative=True), "speculative is an option of the offloaded optimizer"),
-    (dict(offload=False, delay=True, nvme=True), "delay, nvme are options of the offloaded optimizer"),
+    (dict(optimizer_on="device", bucket_numel=1024), "bucket_numel is an option of the offloaded optimizer"),
+    (dict(optimizer_on="device", speculative=True), "speculative is an option of the offloaded optimizer"),
+    (dict(optimizer_on="device", delay_updates_after=0, stride=None, bucket_numel=8),
+     "delay_updates_after, bucket_numel are options of the offloaded optimizer"),
 ])
 def test_bad_issue_19_configurations_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):

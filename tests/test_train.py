@@ -83,10 +83,10 @@ def test_bad_config_is_refused_naming_the_field(field, value):
 
 def test_the_optimizer_options_are_checked_by_their_own_rules():
     # the engine's options are OffloadOptions (tests/test_options.py checks every rule); TrainConfig adds two
-    with pytest.raises(ValueError,
-                       match="TrainConfig: delay_updates_after: OffloadAdam's options, which need offload=True"):
+    with pytest.raises(ValueError, match="delay_updates_after is an option of the offloaded optimizer .OffloadAdam., "
+                                         "and optimizer_on='device' .train: offload=False."):
         TrainConfig(offload=False, optimizer=OffloadOptions(delay_updates_after=0))
-    with pytest.raises(ValueError, match="TrainConfig: nvme_dir: OffloadAdam's options"):
+    with pytest.raises(ValueError, match="TrainConfig.nvme_dir keeps OffloadAdam's state in files"):
         TrainConfig(offload=False, nvme_dir="somewhere")
     with pytest.raises(ValueError, match="NVMe tier does not combine"):
         TrainConfig(optimizer=OffloadOptions(stride=2), nvme_dir="somewhere")
@@ -129,7 +129,8 @@ def test_delayed_updates_and_kept_parameters_from_the_command_line(tmp_path, cap
     assert "--delay-updates-after needs every parameter offloaded" in err and "set --min-offload-numel=0" in err
     with pytest.raises(SystemExit):
         main(["train", "--no-offload", "--stride", "2"])
-    assert "error: --stride: OffloadAdam's options, which need --offload\n" in capsys.readouterr().err
+    assert ("error: --stride is an option of the offloaded optimizer (OffloadAdam), and --no-offload keeps torch's "
+            "AdamW on the device: drop it, or offload the optimizer, --offload\n") in capsys.readouterr().err
 
 
 def test_activation_policies_train_the_same_losses(tmp_path):
@@ -163,8 +164,8 @@ def test_streamed_weights_train_the_same_losses_from_the_command_line(tmp_path, 
     ({"params_on": "disk"}, "TrainConfig.params_on must be one of"),
     ({"prefetch": -1}, "TrainConfig.prefetch must be an int >= 0"),
     ({"params_on": "nvme"}, "give TrainConfig.nvme_dir"),
-    ({"params_on": "host", "optimizer": OffloadOptions(delay_updates_after=1)}, "updates the streamed weights"),
-    ({"params_on": "host", "offload": False}, "params_on: OffloadAdam's options"),
+    ({"params_on": "host", "optimizer": OffloadOptions(delay_updates_after=1)}, "take the synchronous CPU update only"),
+    ({"params_on": "host", "offload": False}, "params_on='host' streams weights that the CPU optimizer updates"),
     ({"device_memory": 0}, "TrainConfig.device_memory must be a positive number of bytes"),
 ])
 def test_bad_streaming_settings_are_refused(fields, words):

@@ -26,6 +26,12 @@ from ..predict import memory
 from . import plan as plan_cli
 from .args import bytes_arg, parse_count
 
+TRAIN_PLACEMENT = ("params_on", "prefetch")  # the Placement fields train's flags set (the others: --offload, ...)
+# the settings' "optimizer_on='device' (train: offload=False)": train's flag for it
+TRAIN_FLAGS = {"offload=False": "--no-offload", "offload=True": "--offload", "nvme_dir": "--nvme-dir",
+               "no nvme_dir": "no --nvme-dir", "shard": "--shard"}
+TRAIN_SPELLING = re.compile(r"\S+ \(train: ([^)]*)\)")
+
 
 def footprint_command(args: argparse.Namespace) -> int:
     fp = memory.footprint(args.precision, args.optimizer, args.placement, delay=args.delay)
@@ -100,6 +106,7 @@ def step_command(args: argparse.Namespace) -> int:
 
 
 def add_step_parser(commands) -> argparse.ArgumentParser:
+    from .. import options
     from ..machine import profiles
 
     st = commands.add_parser("step", help="predict a step's time, bound resource and exposed time",
@@ -111,19 +118,10 @@ def add_step_parser(commands) -> argparse.ArgumentParser:
     st.add_argument("--precision", choices=memory.PRECISIONS, default="mixed_bf16")
     st.add_argument("--tensors", type=int, default=291, help="parameter tensors (one copy each way per tensor)")
     st.add_argument("--recompute", action="store_true", help="full activation checkpointing (one more forward)")
-    st.add_argument("--offload", action=argparse.BooleanOptionalAction, default=True,
-                    help="optimizer offload; --no-offload: everything on the device")
-    st.add_argument("--subgroup-numel", type=int, default=1 << 26, help="elements per optimizer subgroup")
-    st.add_argument("--delay", action="store_true", help="the one-step delayed update")
-    st.add_argument("--gpu-fraction", type=float, default=None, metavar="F", help="hybrid update, static share")
-    st.add_argument("--stride", type=int, default=None, metavar="K", help="hybrid update, every K-th subgroup")
-    st.add_argument("--nvme", action="store_true", help="optimizer state on NVMe")
-    st.add_argument("--clip", action="store_true", help="gradient clipping (a pass over the gradients)")
-    st.add_argument("--bucket-numel", type=int, default=None, metavar="N",
-                    help="gradients leave in buckets of about N elements (one copy each); default: one per tensor")
-    st.add_argument("--speculative", action="store_true", help="each subgroup's CPU update starts during backward")
     st.add_argument("--mfu", type=float, default=0.4, help="model FLOP/s utilisation of forward and backward")
     st.add_argument("--trace", default=None, metavar="FILE", help="save the predicted step as a Perfetto trace")
+    options.add_flags(st, options.Placement())  # --optimizer-on, --params-on, --prefetch, --ranks
+    options.add_flags(st)  # one flag per OffloadOptions field, as train has
     st.set_defaults(run=step_command)
     return st
 
@@ -131,7 +129,7 @@ def add_step_parser(commands) -> argparse.ArgumentParser:
 def add_train_parser(commands) -> argparse.ArgumentParser:
     from .. import options
     from ..model.gpt import GPTConfig
-    from ..train.loop import DEVICES, PARAMS_ON, PRECISIONS, TrainConfig
+    from ..train.loop import DEVICES, PRECISIONS, TrainConfig
 
     d = TrainConfig()
     tr = commands.add_parser("train", help="train a small GPT with offloaded AdamW and print the step-time split",
@@ -149,10 +147,6 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
     tr.add_argument("--activations", default=d.activations, metavar="POLICY",
                     help="what each block keeps for backward: keep, recompute, selective, offload or offload_input; "
                          "one for every block, or one per block separated by commas")
-    tr.add_argument("--params-on", choices=PARAMS_ON, default=d.params_on,
-                    help="where the blocks' weights live: on the device, or streamed block by block from pinned host "
-                         "memory or from NVMe (DIR/weights of --nvme-dir): chapter 8")
-    tr.add_argument("--prefetch", type=int, default=d.prefetch, help="streamed weights: blocks fetched ahead")
     tr.add_argument("--device-memory", type=bytes_arg, default=d.device_memory, metavar="SIZE",
                     help="the sim device's memory, e.g. 64MB or 1GiB (default 4 GiB)")
     tr.add_argument("--nvme-dir", default=d.nvme_dir, metavar="DIR",
@@ -176,6 +170,8 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
     tr.add_argument("--plan", default=None, metavar="FILE",
                     help="run a plan written by `plan`: it sets the model, context, batch, accumulation, precision, "
                          "offload, activations, homes, prefetch and optimizer options")
+    # where the weights live (the optimizer's home is --offload and --nvme-dir, its ranks torchrun's)
+    options.add_flags(tr, d.placement, TRAIN_PLACEMENT)
     options.add_flags(tr, d.optimizer)  # one flag per OffloadOptions field
     tr.set_defaults(run=train_command)
     return tr
@@ -244,12 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         try:  # checked before anything is measured or printed
             args.work = stepmodel.Workload(int(args.params), args.tokens, args.precision, args.tensors,
                                            args.recompute)
-            args.step_config = stepmodel.StepConfig(
-                offload=args.offload, subgroup_numel=args.subgroup_numel, delay=args.delay,
-                gpu_fraction=args.gpu_fraction, stride=args.stride, nvme=args.nvme, clip=args.clip, mfu=args.mfu,
-                bucket_numel=args.bucket_numel, speculative=args.speculative)
+            args.step_config = stepmodel.StepConfig(options.from_flags(args, options.Placement),
+                                                    options.from_flags(args), args.mfu)
         except ValueError as err:  # name the flag, not the field
-            message = options.name_flags(str(err))
+            message = options.name_flags(TRAIN_SPELLING.sub(lambda m: m[0].split(" (train: ")[0], str(err)))
             for field, flag in (("num_params", "--params"), ("num_tensors", "--tensors"), ("tokens", "--tokens"),
                                 ("mfu", "--mfu")):
                 message = re.sub(rf"^{field}\b", flag, message)
@@ -271,12 +265,10 @@ def main(argv: list[str] | None = None) -> int:
             # where the check looked
             args.config.out_dir = str(preflight(args.config)[0])
         except ValueError as err:  # name the flag, not the field
-            message = re.sub(r"TrainConfig\.(\w+)", lambda m: options.flag(m[1]), options.name_flags(str(err)))
-            listed = re.match(r"TrainConfig: ([\w, -]+): ", message)  # "TrainConfig: a, b: OffloadAdam's options"
-            if listed:
-                names = ", ".join(options.flag(n) if n in fields else n for n in listed[1].split(", "))
-                message = f"{names}: {message[listed.end():]}".replace("offload=True", "--offload")
-            tr.error(message)
+            message = TRAIN_SPELLING.sub(lambda m: TRAIN_FLAGS.get(m[1], m[0]), str(err))
+            names = (*(f.name for f in dataclasses.fields(options.OffloadOptions)), *TRAIN_PLACEMENT)
+            message = re.sub(r"TrainConfig\.(\w+)", lambda m: options.flag(m[1]), options.name_flags(message, names))
+            tr.error(message.replace("offload=True", "--offload").replace("offload=False", "--no-offload"))
     try:
         return args.run(args)
     except KeyboardInterrupt:

@@ -153,4 +153,4 @@ def planned_config(args: argparse.Namespace, tr: argparse.ArgumentParser, fields
     rest = {k: v for k, v in fields.items() if k not in planned}
     if rest["device_memory"] is None and plan.capacity.get("device") and plan.hardware.endswith("(sim)"):
         rest["device_memory"] = int(plan.capacity["device"])  # the sim device the plan was made for
-    return planner.train_config(plan, **rest)
+    return plan.train_config(**rest)

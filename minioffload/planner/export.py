@@ -37,7 +37,6 @@ import math
 import torch
 
 from ..nvme.swapper import Swapper
-from ..options import OffloadOptions
 from ..train.loop import TrainConfig
 from ..units import format_bytes
 from .plan import Plan
@@ -47,7 +46,6 @@ RECOMPUTED = ("recompute", "selective", "offload_input")  # the policies that ru
 TO_HOST = ("offload", "offload_input")  # the policies that move saved activations to host memory
 LINEARS_PER_BLOCK = 4  # ModelSpec's block: qkv, the attention's projection, the MLP's two
 SWAP_TENSORS = 4  # what DeepSpeed's NVMe optimizer swapper moves per subgroup: fp32 master, exp_avg, exp_avg_sq, grad
-NVME_SETS = OffloadOptions().nvme_buffers  # the NVMe tier's working sets: one reading, one updating, one writing
 BLOCK_SIZE = inspect.signature(Swapper).parameters["block_size"].default
 WORKERS = inspect.signature(Swapper).parameters["workers"].default
 LR = TrainConfig.lr
@@ -211,9 +209,10 @@ def to_deepspeed_config(plan: Plan, world_size: int | None = None, *, nvme_path:
     the window of prefetch + 1 blocks; offload_param's NVMe buffers hold one tensor each, the largest
     (an embedding, or an MLP weight) split over `world_size`, one per Linear weight of prefetch + 2 blocks (the
     Swapper's bounce buffers) and the two embeddings, and max_in_cpu is 0 (the plan caches no weights in host
-    memory); offload_optimizer's NVMe buffers are the four tensors a subgroup moves times the tier's three working
-    sets, read and written in a pipeline as the tier does, and fast_init stays off (its fp16 buffers would have to
-    hold a whole subgroup). `ratio`, DeepSpeed's share of subgroups updated on the CPU, is 1 - gpu_fraction.
+    memory); offload_optimizer's NVMe buffers are the four tensors a subgroup moves times the tier's working sets
+    (the plan's options' nvme_buffers: one reading, one updating, one writing), read and written in a pipeline as
+    the tier does, and fast_init stays off (its fp16 buffers would have to hold a whole subgroup). `ratio`,
+    DeepSpeed's share of subgroups updated on the CPU, is 1 - gpu_fraction.
     The "optimizer" section is AdamW with TrainConfig's lr and torch's other defaults: with offload DeepSpeed
     builds its CPU Adam from it, which its partial offload (`ratio`) requires.
     """
@@ -235,8 +234,8 @@ def to_deepspeed_config(plan: Plan, world_size: int | None = None, *, nvme_path:
         zero.update(overlap_comm=True, contiguous_gradients=True)
         optimizer = {"device": "nvme" if plan.optimizer_on == "nvme" else "cpu", "pin_memory": True}
         if plan.optimizer_on == "nvme":
-            optimizer.update(nvme_path=nvme_path, buffer_count=SWAP_TENSORS * NVME_SETS, pipeline_read=True,
-                             pipeline_write=True, fast_init=False)
+            optimizer.update(nvme_path=nvme_path, buffer_count=SWAP_TENSORS * plan.options.nvme_buffers,
+                             pipeline_read=True, pipeline_write=True, fast_init=False)
         if plan.gpu_fraction:
             optimizer["ratio"] = round(1.0 - plan.gpu_fraction, 6)
         zero["offload_optimizer"] = optimizer

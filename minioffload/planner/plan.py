@@ -17,6 +17,9 @@ on `ranks` processes (one device each: the optimizer state sharded over them, `m
 runs (`gpu_fraction` of the optimizer's subgroups updated on the device, chapter 5; `delay`,
 chapter 4), the prefetch depth, the subgroup size and the batch (micro_batch sequences x grad_accum).
 
+Its `placement` and `options` are the settings' vocabulary (options.py), checked by their one table of rules; a plan
+runs through its `train_config()` and is predicted through its `step_config()`, written here once.
+
 What this is not: the search (planner/search.py), nor a check of this machine (planner/doctor.py).
 """
 
@@ -27,78 +30,15 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..options import HOMES, OffloadOptions, Placement, check_model, check_run
 from ..predict.activation_cost import POLICIES
+from ..predict.shapes import ModelSpec
+from ..predict.step_config import StepConfig
 from ..units import format_bytes
 
-HOMES = ("device", "host", "nvme")
 PLAN_PRECISIONS = ("fp32", "mixed_bf16")  # what the runtime trains: fp32, or bf16 weights with fp32 masters
 FORMAT = "minioffload-plan/1"
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A GPT: `n_layer` blocks `d_model` wide with `n_head` heads, a vocabulary of `vocab` tokens, context
-    `seq_len`, biases and a tied head (models.GPT and GPT-3's layout). `preset`: the course GPT it is, if any."""
-
-    n_layer: int
-    d_model: int
-    n_head: int
-    vocab: int
-    seq_len: int
-    preset: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("n_layer", "d_model", "n_head", "vocab", "seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ModelSpec.{name} must be a positive int, got {value!r}")
-        if self.d_model % self.n_head:
-            raise ValueError(f"ModelSpec: d_model ({self.d_model}) must split into n_head ({self.n_head}) heads")
-
-    @property
-    def block_params(self) -> int:
-        """Attention (4 d^2 + 4 d), MLP (8 d^2 + 5 d), two LayerNorms (4 d)."""
-        return 12 * self.d_model ** 2 + 13 * self.d_model
-
-    @property
-    def resident_params(self) -> int:
-        """Token and position embeddings (the head is tied to the first) and the final LayerNorm."""
-        return (self.vocab + self.seq_len + 2) * self.d_model
-
-    @property
-    def num_params(self) -> int:
-        return self.n_layer * self.block_params + self.resident_params
-
-    @property
-    def num_tensors(self) -> int:
-        return 12 * self.n_layer + 4  # per block: 4 Linear (weight, bias) and 2 LayerNorm (weight, bias)
-
-    @classmethod
-    def of_params(cls, num_params: float, seq_len: int = 2048, vocab: int = 50257) -> ModelSpec:
-        """GPT-3's shape family (streaming_cost.shape_for) at about `num_params` parameters."""
-        from ..predict.streaming_cost import shape_for
-
-        if not num_params >= 1e8:
-            raise ValueError(f"num_params must be at least 1e8 for a GPT-3-family shape (the smallest, GPT-3 Small, "
-                             f"has 125M); got {num_params!r}. For a course GPT use ModelSpec.of_preset")
-        s = shape_for(num_params)
-        return cls(s.n_layer, s.d_model, s.n_head, vocab, seq_len)
-
-    @classmethod
-    def of_preset(cls, name: str, block_size: int | None = None, vocab: int | None = None) -> ModelSpec:
-        """A course GPT (models.GPTConfig preset) on the bundled text's characters unless `vocab` is given."""
-        from ..model.gpt import CharTokenizer, GPTConfig, load_text
-
-        if vocab is None:
-            vocab = CharTokenizer(load_text()).vocab_size
-        overrides = {} if block_size is None else {"block_size": block_size}
-        c = GPTConfig.preset(name, vocab_size=vocab, **overrides)
-        return cls(c.n_layer, c.n_embd, c.n_head, vocab, c.block_size, preset=name)
-
-    def __str__(self) -> str:
-        what = f"GPT '{self.preset}'" if self.preset else "GPT"
-        return f"{what} of {self.num_params / 1e9:.3g}B ({self.n_layer} x {self.d_model}, {self.n_head} heads, " \
-               f"context {self.seq_len})"
+CLIP = 1.0  # the gradient norm a plan's run clips to (its prediction counts the pass)
 
 
 @dataclass(frozen=True)
@@ -128,22 +68,57 @@ class Plan:
     def __post_init__(self) -> None:
         if self.precision not in PLAN_PRECISIONS:
             raise ValueError(f"Plan.precision must be one of {', '.join(PLAN_PRECISIONS)}, got {self.precision!r}")
-        for name in ("optimizer_on", "params_on"):
-            if getattr(self, name) not in HOMES:
-                raise ValueError(f"Plan.{name} must be one of {', '.join(HOMES)}, got {getattr(self, name)!r}")
         if len(self.activations) != self.model.n_layer or any(p not in POLICIES for p in self.activations):
             raise ValueError(f"Plan.activations must name one policy of {', '.join(POLICIES)} per block "
                              f"({self.model.n_layer}), got {self.activations!r}")
-        if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
-            raise ValueError(f"Plan.ranks must be an int >= 1, got {self.ranks!r}")
-        if self.ranks > 1 and (self.optimizer_on == "device" or self.params_on != "device" or self.delay
-                               or self.gpu_fraction):
-            raise ValueError(f"Plan: ranks={self.ranks} shards the offloaded optimizer with every weight on each "
-                             "device and the synchronous update: optimizer_on 'host' or 'nvme', params_on 'device', no "
-                             "delay or gpu_fraction")
-        if self.optimizer_on == "device" and (self.params_on != "device" or self.delay or self.gpu_fraction):
-            raise ValueError("Plan: streamed weights, the delayed update and gpu_fraction need the optimizer "
-                             "offloaded (optimizer_on 'host' or 'nvme')")
+        try:
+            placement, options = self.placement, self.options
+        except ValueError as err:  # a field's own check: "ranks must be an int >= 1 ..."
+            raise ValueError(f"Plan.{err}") from None
+        try:  # a plan runs (train) as the step model predicted it
+            check_run(placement, options)
+            check_model(placement, options)
+        except ValueError as err:
+            raise ValueError(f"Plan: {err}") from None
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(optimizer_on=self.optimizer_on, params_on=self.params_on, prefetch=self.prefetch,
+                         ranks=self.ranks)
+
+    @property
+    def options(self) -> OffloadOptions:
+        """OffloadAdam's options of this plan: its subgroups, its update (delayed, or gpu_fraction of the subgroups
+        on the device) and gradients clipped to norm 1 (as the planner predicts and train runs them)."""
+        return OffloadOptions(subgroup_numel=self.subgroup_numel, max_grad_norm=CLIP,
+                              delay_updates_after=0 if self.delay else None, gpu_fraction=self.gpu_fraction)
+
+    def step_config(self, mfu: float = 0.4) -> StepConfig:
+        """The step model's configuration of this plan (stepmodel.predict of one micro-batch)."""
+        return StepConfig(self.placement, self.options, mfu)
+
+    def train_config(self, **overrides):
+        """The TrainConfig that runs this plan (a course GPT's): its model, batch, precision, homes, policies and
+        optimizer options; `overrides` set the rest (device, steps, nvme_dir, out_dir, ...). A plan of ranks > 1
+        runs under `torchrun --nproc-per-node {ranks}` (shard=True: the ranks come from torchrun)."""
+        from ..train.loop import TrainConfig
+
+        if self.model.preset is None:
+            raise ValueError(f"this plan is for a {self.model}, which `train` does not build: it trains the course's "
+                             "GPT presets. Make a plan with --model tiny|small|medium|gpt2-small-ish to run one")
+        needs_nvme = "nvme" in (self.optimizer_on, self.params_on)
+        if needs_nvme and overrides.get("nvme_dir") is None:
+            raise ValueError(f"this plan keeps the {'optimizer state' if self.optimizer_on == 'nvme' else 'weights'} "
+                             "on NVMe: give nvme_dir (--nvme-dir DIR on the drive)")
+        if not needs_nvme:
+            overrides.pop("nvme_dir", None)
+        if self.ranks > 1:
+            overrides["shard"] = True
+        activations = self.activations[0] if len(set(self.activations)) == 1 else ",".join(self.activations)
+        return TrainConfig(model=self.model.preset, block_size=self.model.seq_len, batch_size=self.micro_batch,
+                           grad_accum=self.grad_accum, precision="fp32" if self.precision == "fp32" else "bf16",
+                           offload=self.placement.offloaded, optimizer=self.options, activations=activations,
+                           params_on=self.params_on, prefetch=self.prefetch, **overrides)
 
     @property
     def gradients_on(self) -> str:

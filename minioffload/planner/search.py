@@ -4,7 +4,7 @@ model's tokens per second.
     plans = search(ModelSpec.of_params(70e9), profiles.preset("h100-sxm"), batch=8, host_bytes=512 * GB)
     plans[0].describe(), plans[0].step_s, plans[0].memory    # the best: where each state lives, its step, its bytes
     why_slower(plans[0], plans[3])                           # what a runner-up loses on
-    train(train_config(plans[0]))                            # a course GPT's plan runs as it was planned
+    train(plans[0].train_config())                           # a course GPT's plan runs as it was planned
 
 The search enumerates where the optimizer lives (device: torch's AdamW; host: OffloadAdam; nvme: its NVMe tier),
 where the blocks' weights live (resident, or streamed from host, or from NVMe with the optimizer there too, as train
@@ -37,9 +37,11 @@ from dataclasses import dataclass
 
 from ..layout import pack_sizes
 from ..machine.profiles import ADAM_BYTES_PER_PARAM, Hardware
+from ..options import Placement, check_field
 from ..predict import memory, stepmodel
 from ..predict.activation_cost import POLICIES, BlockShape, policy_costs
-from ..predict.shards import _check_ranks, ring_bytes, shard_sizes
+from ..predict.shapes import tensor_numels
+from ..predict.shards import ring_bytes, shard_sizes
 from .milp import Option, Problem, solve
 from .plan import HOMES, PLAN_PRECISIONS, ModelSpec, Plan
 from .report import best_per_family, nothing_fits, relative, table, why_slower
@@ -80,7 +82,7 @@ class Limits:
     ranks: int = 1  # processes, one device and one share of the host each
 
     def __post_init__(self) -> None:
-        _check_ranks(self.ranks)
+        check_field(Placement, "ranks", self.ranks)
         if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
             raise ValueError(f"batch must be a positive int (sequences per step), got {self.batch!r}")
         for name in ("device_bytes", "host_bytes", "nvme_bytes"):
@@ -115,14 +117,6 @@ class _Config:
     micro_batch: int
 
 
-def tensor_numels(model: ModelSpec) -> list[int]:
-    """The parameters' sizes in models.GPT's order: embeddings, each block (LayerNorm, QKV, projection, LayerNorm,
-    MLP in and out, with biases), the final LayerNorm; the head is tied to the token embedding."""
-    d = model.d_model
-    block = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
-    return [model.vocab * d, model.seq_len * d, *block * model.n_layer, d, d]
-
-
 def subgroup_sizes(model: ModelSpec) -> tuple[int, ...]:
     """Two subgroup sizes: the power of two that gives the optimizer about 8 subgroups (at most 2^26 elements, the
     NVMe tier's working sets stay a few GB), and 4x smaller (finer hybrid splits, more copies); never below 2^16,
@@ -154,12 +148,6 @@ def _configs(model: ModelSpec, limits: Limits, capacity) -> list[_Config]:
     return out
 
 
-def _step_config(c: _Config, mfu: float, gpu_fraction: float | None, ranks: int = 1) -> stepmodel.StepConfig:
-    return stepmodel.StepConfig(offload=c.optimizer_on != "device", subgroup_numel=c.subgroup_numel, delay=c.delay,
-                                gpu_fraction=gpu_fraction, nvme=c.optimizer_on == "nvme", clip=True, mfu=mfu,
-                                params_on=c.params_on, prefetch=max(c.prefetch, 0), ranks=ranks)
-
-
 def _state_bytes(model: ModelSpec, c: _Config, precision: str, ranks: int = 1) -> dict[str, float]:
     """Bytes per tier of weights, gradients and optimizer state (no activations, no hybrid state), per rank: with
     the optimizer on the device every rank holds all of it (data parallel), offloaded the largest shard."""
@@ -167,8 +155,8 @@ def _state_bytes(model: ModelSpec, c: _Config, precision: str, ranks: int = 1) -
         fp = memory.footprint(precision, "adam", "device")
         return {"device": fp.bytes(model.num_params, "device"), "host": 0, "nvme": 0}
     if c.params_on == "device":
-        return memory.engine_bytes(tensor_numels(model), precision, c.subgroup_numel, delay=c.delay,
-                                   nvme=c.optimizer_on == "nvme", ranks=ranks)
+        return memory.engine_bytes(tensor_numels(model), precision, optimizer_on=c.optimizer_on, ranks=ranks,
+                                   subgroup_numel=c.subgroup_numel, delay_updates_after=0 if c.delay else None)
     return memory.streamed_bytes(model.num_params, model.n_layer, model.resident_params, c.params_on, c.prefetch,
                                  precision, nvme=c.optimizer_on == "nvme", subgroup_numel=c.subgroup_numel)
 
@@ -275,14 +263,15 @@ def _evaluate(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capaci
                       * model.n_layer - problem.host_budget, "nvme": -1.0}
     gpu_fraction = solution.resident / problem.subgroups if solution.resident else None
     if gpu_fraction is not None:  # the engine's exact bytes with that split
-        base = memory.engine_bytes(tensor_numels(model), limits.precision, c.subgroup_numel,
+        base = memory.engine_bytes(tensor_numels(model), limits.precision, subgroup_numel=c.subgroup_numel,
                                    gpu_fraction=gpu_fraction)
     policies = solution.policies(POLICY_ORDER)
     held = problem.device_bytes(solution.counts, 0)
     offloaded = sum(o.host_bytes * solution.counts.get(o.name, 0) for o in problem.options)
-    work = stepmodel.Workload(model.num_params, c.micro_batch * model.seq_len, limits.precision, model.num_tensors,
-                              False, model.n_layer, model.resident_params)
-    prediction = stepmodel.predict(work, hw, _step_config(c, limits.mfu, gpu_fraction, limits.ranks))
+    draft = Plan(model, name, limits.precision, c.micro_batch, accum, c.optimizer_on, c.params_on, policies, c.prefetch,
+                 c.subgroup_numel, c.delay, gpu_fraction, ranks=limits.ranks)  # its predictions come next
+    prediction = stepmodel.predict(model.workload(c.micro_batch * model.seq_len, limits.precision), hw,
+                                   draft.step_config(limits.mfu))
     extra = sum(o.extra_s * solution.counts.get(o.name, 0) for o in problem.options)  # already x accum
     overhead = model.n_layer * limits.block_overhead_s  # the first micro-batch's (predict counts FLOPs only)
     step_s = prediction.step_s + overhead + extra + (accum - 1) * _accumulation_s(model, hw, c, limits)
@@ -303,9 +292,8 @@ def _evaluate(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capaci
             resource = stepmodel.resource_of(lane, hw)
             per_resource[resource] = per_resource.get(resource, 0.0) + seconds
         bound = max(per_resource, key=per_resource.get)
-    plan = Plan(model, name, limits.precision, c.micro_batch, accum, c.optimizer_on, c.params_on, policies,
-                c.prefetch, c.subgroup_numel, c.delay, gpu_fraction, step_s, {k: round(v) for k, v in used.items()},
-                bound, busy, dict(capacity), limits.ranks)
+    plan = dataclasses.replace(draft, step_s=step_s, memory={k: round(v) for k, v in used.items()}, bound=bound,
+                               busy=busy, capacity=dict(capacity))
     return plan, {}
 
 
@@ -313,11 +301,8 @@ def prediction(p: Plan, hw: Hardware, limits: Limits | None = None) -> stepmodel
     """stepmodel's prediction of one micro-batch's step of plan `p` (its timeline, for a figure beside a measured
     trace); `p.step_s` adds the policies' time and the other micro-batches to it."""
     limits = limits or Limits(batch=p.micro_batch * p.grad_accum, precision=p.precision, ranks=p.ranks)
-    c = _Config(p.optimizer_on, p.params_on, p.prefetch, p.delay, p.gpu_fraction is not None, p.subgroup_numel,
-                p.micro_batch)
-    work = stepmodel.Workload(p.model.num_params, p.micro_batch * p.model.seq_len, p.precision, p.model.num_tensors,
-                              False, p.model.n_layer, p.model.resident_params)
-    return stepmodel.predict(work, hw, _step_config(c, limits.mfu, p.gpu_fraction, p.ranks))
+    return stepmodel.predict(p.model.workload(p.micro_batch * p.model.seq_len, p.precision), hw,
+                             p.step_config(limits.mfu))
 
 
 def search(model: ModelSpec, hw: Hardware, limits: Limits | None = None,
@@ -358,29 +343,8 @@ def _key(plan: Plan) -> _Config:
 
 
 def train_config(plan: Plan, **overrides):
-    """The TrainConfig that runs `plan` (a course GPT's): its model, batch, precision, homes, policies and
-    optimizer options; `overrides` set the rest (device, steps, nvme_dir, out_dir, ...)."""
-    from ..options import OffloadOptions
-    from ..train.loop import TrainConfig
-
-    if plan.model.preset is None:
-        raise ValueError(f"this plan is for a {plan.model}, which `train` does not build: it trains the course's "
-                         "GPT presets. Make a plan with --model tiny|small|medium|gpt2-small-ish to run one")
-    needs_nvme = "nvme" in (plan.optimizer_on, plan.params_on)
-    if needs_nvme and overrides.get("nvme_dir") is None:
-        raise ValueError(f"this plan keeps the {'optimizer state' if plan.optimizer_on == 'nvme' else 'weights'} on "
-                         "NVMe: give nvme_dir (--nvme-dir DIR on the drive)")
-    if not needs_nvme:
-        overrides.pop("nvme_dir", None)
-    options = OffloadOptions(subgroup_numel=plan.subgroup_numel, max_grad_norm=1.0,
-                             delay_updates_after=0 if plan.delay else None, gpu_fraction=plan.gpu_fraction)
-    activations = plan.activations[0] if len(set(plan.activations)) == 1 else ",".join(plan.activations)
-    if plan.ranks > 1:  # run under `torchrun --nproc-per-node {plan.ranks}`: the ranks come from torchrun
-        overrides["shard"] = True
-    return TrainConfig(model=plan.model.preset, block_size=plan.model.seq_len, batch_size=plan.micro_batch,
-                       grad_accum=plan.grad_accum, precision="fp32" if plan.precision == "fp32" else "bf16",
-                       offload=plan.optimizer_on != "device", optimizer=options, activations=activations,
-                       params_on=plan.params_on, prefetch=plan.prefetch, **overrides)
+    """The TrainConfig that runs `plan`: `plan.train_config(**overrides)` (planner/plan.py)."""
+    return plan.train_config(**overrides)
 
 
 __all__ = ["Limits", "ModelSpec", "NoPlanError", "Plan", "POLICIES", "best_per_family", "fit_compute", "prediction",

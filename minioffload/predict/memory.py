@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..layout import device_subgroups, pack_sizes
 from ..ledger import Allocation, Event, Ledger, OutOfMemoryError  # noqa: F401  (chapters import them from here)
+from ..options import OffloadOptions, Placement, check_run, settings
 from ..units import GB, GiB, MiB, format_bytes  # noqa: F401
 from ..units import require_positive as _require_positive
 from .shards import shard_owners
@@ -154,31 +155,32 @@ def footprint(precision: str = "mixed_bf16", optimizer: str = "adam", placement:
     return Footprint(precision, optimizer, placement, tuple(parts))
 
 
-def engine_bytes(numels: list[int], precision: str = "mixed_bf16", subgroup_numel: int = 1 << 22,
-                 delay: bool = False, gpu_fraction: float | None = None, stride: int | None = None,
-                 nvme: bool = False, nvme_buffers: int = 3, ranks: int = 1, speculative: bool = False,
-                 scratch_sets: int = 3) -> dict[str, int]:
+def engine_bytes(numels: list[int], precision: str = "mixed_bf16", placement: Placement | None = None,
+                 options: OffloadOptions | None = None, scratch_sets: int = 3, **fields) -> dict[str, int]:
     """Bytes `OffloadAdam` holds on each tier for parameters of `numels` elements, exactly: the per-parameter
     parts of `footprint` plus what is per subgroup (the NVMe tier's working sets, the hybrid path's scratch).
+    Its settings are a `placement` (the optimizer on the "host" or "nvme", `ranks`) and `options` (options.py), or
+    their fields as keywords: engine_bytes(numels, optimizer_on="nvme", subgroup_numel=1 << 20).
 
-    device: the weights, and for hybrid updates the resident subgroups' state and gradient (16 B/param) and
-    `scratch_sets` sets of the largest streamed subgroup (state and gradient, 16 B/param each): 3 on a GPU, on the
-    sim what `hybrid.scratch_sets` answers for its link (`DevicePath.sets`). host: pinned memory (with
-    `speculative`, a second set of state for every CPU subgroup).
-    nvme: the swapper's files (two versions of each subgroup's state, padded to 4 KiB). Refuses nothing the
-    engine accepts; the kept small parameters of `min_offload_numel` are not modelled.
+    device: the weights, and for hybrid updates (gpu_fraction, stride) the resident subgroups' state and gradient
+    (16 B/param) and `scratch_sets` sets of the largest streamed subgroup (state and gradient, 16 B/param each): 3 on
+    a GPU, on the sim what `hybrid.scratch_sets` answers for its link (`DevicePath.sets`). host: pinned memory (with
+    the delayed update, the upload buffers; with `speculative`, a second set of state for every CPU subgroup).
+    nvme: the swapper's files (two versions of each subgroup's state, padded to 4 KiB). Refuses what the engine
+    refuses (options.check_run); the kept small parameters of `min_offload_numel` are not modelled.
 
     `ranks` > 1: the state sharded (shards.shard_owners), weights replicated: device bytes are each rank's, host and
     nvme bytes the rank's that owns the most elements (every rank's own share of the host must hold its shard).
     """
     _require(precision, PRECISIONS, "precision")
+    placement, options = settings(placement, options, **fields)
+    check_run(placement, options)
+    ranks, nvme = placement.ranks, placement.optimizer_on == "nvme"
     model_b = _MODEL_BYTES[precision]
-    sizes = pack_sizes(list(numels), subgroup_numel)
-    resident, streamed = device_subgroups(len(sizes), gpu_fraction, stride)
+    sizes = pack_sizes(list(numels), options.subgroup_numel)
+    resident, streamed = device_subgroups(len(sizes), options.gpu_fraction, options.stride)
     on_cpu = [n for i, n in enumerate(sizes) if i not in set(resident) | set(streamed)]
     if ranks != 1:
-        if resident or streamed:
-            raise ValueError(f"gpu_fraction/stride with ranks={ranks}: the hybrid update is modelled on one rank only")
         owners = shard_owners(sizes, ranks)
         heaviest = max(range(ranks), key=lambda r: sum(n for n, o in zip(sizes, owners, strict=True) if o == r))
         on_cpu = [n for n, o in zip(sizes, owners, strict=True) if o == heaviest]
@@ -186,11 +188,12 @@ def engine_bytes(numels: list[int], precision: str = "mixed_bf16", subgroup_nume
     device = sum(numels) * model_b + 16 * sum(sizes[i] for i in resident)
     device += scratch_sets * 16 * max((sizes[i] for i in streamed), default=0)
     host = state * sum(sizes[i] for i in streamed)  # streamed subgroups keep their state on the host
-    per_cpu_param = 4 + model_b + (model_b if delay else 0) + (0 if nvme else state) + (state if speculative else 0)
+    per_cpu_param = (4 + model_b + (model_b if options.delayed else 0) + (0 if nvme else state)
+                     + (state if options.speculative else 0))
     host += per_cpu_param * sum(on_cpu)
     disk = 0
     if nvme and on_cpu:
-        host += nvme_buffers * state * max(on_cpu)
+        host += options.nvme_buffers * state * max(on_cpu)
         disk = sum(2 * 3 * (-(-4 * n // 4096) * 4096) for n in on_cpu)
     return {"device": device, "host": host, "nvme": disk}
 

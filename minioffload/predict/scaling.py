@@ -7,7 +7,7 @@
 
 Each rank runs its own micro-batch (`work.tokens` per rank), so the job's tokens per step grow with the ranks; the
 optimizer state is sharded (each rank's link, cores and drive carry 1/N of it), weights and gradients replicated
-(stepmodel.StepConfig's `ranks`). So efficiency can pass 1: a step bound by the CPU update gets shorter as the shards
+(options.Placement's `ranks`). So efficiency can pass 1: a step bound by the CPU update gets shorter as the shards
 shrink, while each rank still trains its own micro-batch.
 
 What this is not: a measurement (the engine's sharded runs are), nor a model of more than one node's topology: every
@@ -16,9 +16,8 @@ rank pair is taken at the profile's `interconnect`.
 
 from __future__ import annotations
 
-import dataclasses
-
 from ..machine.profiles import Hardware
+from ..options import Placement, check_field
 from .memory import PRECISIONS
 from .stepmodel import StepConfig, Workload, predict
 
@@ -44,10 +43,10 @@ def scaling(work: Workload, hw: Hardware, ranks_list: tuple[int, ...] = (1, 2, 4
     config = config or StepConfig()
     if not ranks_list:
         raise ValueError("ranks_list must name at least one rank count, e.g. (1, 2, 4, 8)")
-    one = predict(work, hw, dataclasses.replace(config, ranks=1))
+    one = predict(work, hw, config.replace(ranks=1))
     rows = []
     for ranks in ranks_list:
-        p = one if ranks == 1 else predict(work, hw, dataclasses.replace(config, ranks=ranks))
+        p = one if ranks == 1 else predict(work, hw, config.replace(ranks=ranks))
         tokens_per_s = ranks * work.tokens / p.step_s
         speedup = tokens_per_s / (work.tokens / one.step_s)
         rows.append({"ranks": ranks, "step_s": p.step_s, "tokens_per_s": tokens_per_s,
@@ -62,6 +61,6 @@ def capacity(hw: Hardware, ranks: int = 1, precision: str = "mixed_bf16") -> flo
     staging and 12 B/param of Adam state, 1/ranks of it per rank)."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    StepConfig(ranks=ranks)  # the same check and message
+    check_field(Placement, "ranks", ranks)
     model_bytes = 4 if precision == "fp32" else 2
     return min(hw.device_memory / model_bytes, hw.host_memory * ranks / (4 + model_bytes + 12))

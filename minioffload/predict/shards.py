@@ -17,13 +17,9 @@ divides these bytes by the profile's `interconnect`).
 from __future__ import annotations
 
 from ..layout import shard_owners
+from ..options import Placement, check_field
 
 COLLECTIVES = ("reduce", "broadcast", "reduce_scatter", "all_gather", "all_reduce")
-
-
-def _check_ranks(ranks: int) -> None:
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks must be an int >= 1 (processes, one device each), got {ranks!r}")
 
 
 def shard_sizes(sizes: list[int], ranks: int) -> list[int]:
@@ -38,7 +34,7 @@ def ring_bytes(collective: str, nbytes: float, ranks: int) -> float:
     """Bytes one rank sends (and receives) in a ring `collective` of `nbytes` (the full buffer): (N - 1) / N of it
     for reduce, broadcast, reduce-scatter and all-gather (pipelined rings whose shards are whole subgroups), twice
     that for an all-reduce (a reduce-scatter then an all-gather); 0 with one rank."""
-    _check_ranks(ranks)
+    check_field(Placement, "ranks", ranks)
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
     return nbytes * (ranks - 1) / ranks * (2 if collective == "all_reduce" else 1)

@@ -1,7 +1,7 @@
 """A model of one training step: predict its timeline, its length, the resource that bounds it, and what is exposed.
 
     work = Workload(num_params=7e9, tokens=8 * 4096, num_tensors=291)
-    pred = predict(work, profiles.preset("h100-sxm"), StepConfig(delay=True))
+    pred = predict(work, profiles.preset("h100-sxm"), StepConfig(delay_updates_after=0))
     pred.step_s, pred.bound, pred.exposed      # seconds; "cpu"; {"cpu": 2.1, "h2d": 0.0, ...}
     course.viz.timeline(pred.trace)             # the same lanes a measured run records
 
@@ -40,7 +40,7 @@ uploaded: the CPU rounds the master into the host home (no pass for fp32: the ma
 rounded weights to NVMe. `Prediction.exposed_fetch_s` is the fetch time not hidden under compute. Not modelled:
 the runtime's prefetches of the next step's first blocks during the last backward, which its optimizer step drops.
 
-Ranks (`StepConfig.ranks`, issue 17): each rank's micro-batch computes alike (one "compute" lane stands for all);
+Ranks (`StepConfig.placement.ranks`): each rank's micro-batch computes alike (one "compute" lane stands for all);
 after each subgroup's backward its gradient is reduced to its owner (shards.shard_owners) on the "net" lane, one
 communicator whose collectives run in issue order, each taking the link's latency + shards.ring_bytes / interconnect.
 Only the owner copies it out, sums, clips (the partial norms all-reduced) and updates it on its own cores, and uploads
@@ -65,7 +65,6 @@ from .prediction import Prediction, _on, _prediction, rank_of, resource_of
 from .prediction import compare as compare  # re-exported: callers import them from here
 from .schedule import Plan, schedule
 from .shards import ring_bytes, shard_owners
-from .step_config import PARAMS_ON as PARAMS_ON
 from .step_config import StepConfig, Workload, pack_buckets
 
 # Bytes per parameter of the host passes the engine makes besides Adam (engine/optimizer.py):
@@ -82,15 +81,15 @@ class _Builder:
 
     def __init__(self, work: Workload, hw: Hardware, config: StepConfig):
         self.work, self.hw, self.config, self.plan = work, hw, config, Plan()
-        self.ranks = config.ranks
+        self.ranks = config.placement.ranks
         flops = hw.peak_flops(work.precision) * config.mfu
         if hw.shared_host:  # the sim: every rank's forward and backward run on the same cores
-            flops /= config.ranks
+            flops /= config.placement.ranks
         n, t = work.num_params, work.tokens
         self.forward_s = 2 * n * t / flops
         self.backward_s = (4 + 2 * work.recompute) * n * t / flops
-        self.groups = work.subgroups(config.subgroup_numel)
-        self.owners = shard_owners([params for params, _ in self.groups], config.ranks)
+        self.groups = work.subgroups(config.options.subgroup_numel)
+        self.owners = shard_owners([params for params, _ in self.groups], config.placement.ranks)
         self.job: dict[int, int] = {}  # delayed update: each rank's background update's last op
         self.entry: dict[int, int] = {}  # each rank's last step()'s start: its gradients have arrived
         self.state_home = None  # hybrid: the last streamed state copied back to the host
@@ -122,9 +121,9 @@ class _Builder:
         device, in the order backward finishes them: one piece of `tensors` copies (one per tensor); with
         bucket_numel one copy per bucket, the last bucket first (backward runs the layers in reverse), its
         gradients gathered into the bucket on the device unless it holds one tensor alone (engine/buckets.py)."""
-        if self.config.bucket_numel is None:
+        if self.config.options.bucket_numel is None:
             return [(params, tensors, 0.0)]
-        buckets = pack_buckets([params / tensors] * tensors, self.config.bucket_numel)
+        buckets = pack_buckets([params / tensors] * tensors, self.config.options.bucket_numel)
         return [(sum(bucket), 1, sum(bucket) if len(bucket) > 1 else 0.0) for bucket in reversed(buckets)]
 
     def copies_of(self, params: float, tensors: int) -> tuple[int, float]:
@@ -150,9 +149,9 @@ class _Builder:
         there (offloaded CPU subgroups only); without offload, ranks > 1 all-reduce each piece's gradient (buckets)."""
         plan, mb, groups = self.plan, self.work.model_bytes, self.groups
         forward = plan.add("compute", "forward", self.forward_s, [after], stream="compute")
-        if not self.config.offload and self.ranks == 1:
+        if not self.config.placement.offloaded and self.ranks == 1:
             return plan.add("compute", "backward", self.backward_s, [forward], stream="compute"), {}
-        on_cpu = self.cpu_groups() if self.config.offload else set()
+        on_cpu = self.cpu_groups() if self.config.placement.offloaded else set()
         copies: dict[int, list[int]] = {rank: [] for rank in range(self.ranks)}
         self.last_compute = forward
         for index in reversed(range(len(groups))):  # backward produces the last layers' gradients first
@@ -164,9 +163,9 @@ class _Builder:
                 done.append(self.last_compute)
             self.grads_made[index] = done[-1]
             if self.ranks > 1:  # the subgroup's gradient, reduced to its owner, leaves from there
-                kind = "reduce" if self.config.offload else "all_reduce"
+                kind = "reduce" if self.config.placement.offloaded else "all_reduce"
                 done = [self.collective(kind, params * mb, f"{kind.replace('_', '-')} grad", [done[-1]])] * len(done)
-                if not self.config.offload:
+                if not self.config.placement.offloaded:
                     copies[0].append(done[0])
             if index in on_cpu:
                 owner = self.owners[index]
@@ -181,7 +180,7 @@ class _Builder:
         does, a block whose backward is among the next `prefetch` uses after its forward stays (the last
         (prefetch + 1) // 2 blocks turn into the backward without a second fetch)."""
         plan, work, hw, mb = self.plan, self.work, self.hw, self.work.model_bytes
-        layers, window = work.num_layers, self.config.prefetch + 1
+        layers, window = work.num_layers, self.config.placement.prefetch + 1
         block, head = work.block_params, work.resident_params
         block_tensors = max(1, round(work.num_tensors * block / work.num_params))
         head_tensors = max(1, work.num_tensors - layers * block_tensors)
@@ -203,7 +202,8 @@ class _Builder:
                 deps = [computes[v - window] if v >= window else None, None if backward else after]
                 if window == 1:  # on demand: issued when the block is next, after whatever computed last (the head)
                     deps.append(last)
-                if self.config.params_on == "nvme":  # NVMe into a pinned bounce buffer, then over the link
+                # NVMe into a pinned bounce buffer, then over the link
+                if self.config.placement.params_on == "nvme":
                     deps = [plan.add("nvme_read", f"read block {i}", block * mb / hw.nvme_read, deps, block * mb,
                                      stream="param read", host_bytes=block * mb)]
                 fetch = self.copy("h2d", block * mb, block_tensors, f"fetch block {i}", deps, "param h2d")
@@ -218,35 +218,36 @@ class _Builder:
         return last, copies
 
     def cpu_groups(self) -> set[int]:
-        resident, streamed = device_subgroups(len(self.groups), self.config.gpu_fraction, self.config.stride)
+        options = self.config.options
+        resident, streamed = device_subgroups(len(self.groups), options.gpu_fraction, options.stride)
         return set(range(len(self.groups))) - set(resident) - set(streamed)
 
     def step(self, after: int | None) -> int:
         """One step after `after` (the previous step's end); returns the op at which the next forward may start."""
         config, work, plan, hw, groups = self.config, self.work, self.plan, self.hw, self.groups
-        if config.streamed:
+        if config.placement.streamed:
             backward, streamed_copies = self.streamed_forward_backward(after)
             grad_copies = {0: streamed_copies}
         else:
             backward, grad_copies = self.forward_backward(after)
-        if not config.offload:
+        if not config.placement.offloaded:
             return plan.add("compute", "device adam", work.num_params / hw.device_adam_rate,
                             [backward, *grad_copies.get(0, [])], stream="compute")
         on_cpu = sorted(self.cpu_groups())
-        if config.speculative:
+        if config.options.speculative:
             return self.speculative_update(backward, grad_copies[0], on_cpu)
         own = {rank: [i for i in on_cpu if self.owners[i] == rank] for rank in range(self.ranks)}
         ready, uploads = {}, {rank: [] for rank in range(self.ranks)}
         for rank, mine in own.items():  # step() on each rank: its own subgroups' gradients are in
             entry = plan.mark([backward, *grad_copies.get(rank, [])])  # waits for every gradient copy
             self.entry[rank] = entry
-            if config.delay and rank in self.job:  # send the last update's weights first
+            if config.options.delayed and rank in self.job:  # send the last update's weights first
                 entry = plan.mark([entry, self.job[rank]])
                 uploads[rank].append(self.copy("h2d", sum(groups[i][0] for i in mine) * work.model_bytes,
                                                len(mine), "h2d weights", [entry], "h2d", rank))  # one per subgroup
             ready[rank] = self.host("accumulate grads", ACCUMULATE_BYTES + work.model_bytes,
                                     sum(groups[i][0] for i in mine), [entry], rank=rank)
-        if config.clip:
+        if config.options.clips:
             self.clip(own, ready)
         device_done = self.device_path(groups, ready[0], backward)
         last_cpu = {rank: self.update(rank, own[rank], ready[rank], uploads[rank]) for rank in own}
@@ -257,7 +258,7 @@ class _Builder:
                 broadcasts.append(self.collective("broadcast", groups[i][0] * work.model_bytes, "broadcast weights",
                                                   [done]))
         every_upload = [op for ops in uploads.values() for op in ops]
-        if config.delay:
+        if config.options.delayed:
             self.job = last_cpu  # runs on beside the next forward and backward
             return plan.mark([*ready.values(), *every_upload, *broadcasts])
         return plan.mark([*last_cpu.values(), *every_upload, *broadcasts, device_done])
@@ -269,7 +270,7 @@ class _Builder:
         self.entry[0] = self.plan.mark([backward, *grad_copies])
         order, uploads = on_cpu[::-1], []
         last_cpu = self.update(0, order, self.arrived[order[0]], uploads)
-        validate = self.host("validate norm", 0, 0, [self.entry[0]]) if self.config.clip else None
+        validate = self.host("validate norm", 0, 0, [self.entry[0]]) if self.config.options.clips else None
         return self.plan.mark([last_cpu, *uploads, validate])
 
     def clip(self, own: dict[int, list[int]], ready: dict[int, int]) -> None:
@@ -289,33 +290,36 @@ class _Builder:
         appended to `uploads`); returns its last CPU op. Speculative: each subgroup also waits for its own gradients
         and adds them in first."""
         config, plan, hw, groups, mb = self.config, self.plan, self.hw, self.groups, self.work.model_bytes
-        stream = "update" if config.delay or config.speculative else "host"  # these run on a thread of their own
-        reads = self.nvme_reads(mine, ready, rank) if config.nvme else {}
+        # these run on a thread of their own
+        stream = "update" if config.options.delayed or config.options.speculative else "host"
+        reads = self.nvme_reads(mine, ready, rank) if config.placement.optimizer_on == "nvme" else {}
         last_cpu, writes = ready, []
         for k, i in enumerate(mine):
             params, _ = groups[i]
-            if config.nvme and k + 1 < len(mine):  # prefetch the next subgroup into the third working set
+            # prefetch the next subgroup into the third working set
+            if config.placement.optimizer_on == "nvme" and k + 1 < len(mine):
                 reads[mine[k + 1]] = self.nvme_read(groups[mine[k + 1]][0], [
                     last_cpu, writes[k - 2] if k >= 2 else None, uploads[k - 2] if k >= 2 else None], rank)
-            if config.speculative:  # its gradients, added in as they arrive (with the norm's read when clipping)
-                last_cpu = self.host("accumulate grads", ACCUMULATE_BYTES + mb + 4 * config.clip, params,
+            # its gradients, added in as they arrive (with the norm's read when clipping)
+            if config.options.speculative:
+                last_cpu = self.host("accumulate grads", ACCUMULATE_BYTES + mb + 4 * config.options.clips, params,
                                      [last_cpu, self.arrived[i]], stream)
             last_cpu = plan.add(_on("cpu", rank), f"adam {params / 1e6:.2f}M", params / hw.cpu_adam_rate,
                                 [last_cpu, reads.get(i)], stream=_on(stream, rank),
                                 host_bytes=params * ADAM_BYTES_PER_PARAM)
             rounding = (4 + mb) if mb != 4 else 0  # fp32 master -> 16-bit staging, for the upload
             last_cpu = self.host("round + zero grad", rounding + ZERO_BYTES, params, [last_cpu], stream,
-                                 issue=0 if config.delay or config.streamed else 1, rank=rank)
-            if config.nvme:
+                                 issue=0 if config.options.delayed or config.placement.streamed else 1, rank=rank)
+            if config.placement.optimizer_on == "nvme":
                 state = params * STATE_BYTES_PER_PARAM
                 writes.append(plan.add(_on("nvme_write", rank), "nvme write", state / hw.nvme_write, [last_cpu],
                                        state, stream=_on("nvme_write", rank), host_bytes=state))
-            if config.params_on == "nvme":  # the rounded weights go home to NVMe, not up the link
+            if config.placement.params_on == "nvme":  # the rounded weights go home to NVMe, not up the link
                 uploads.append(plan.add("nvme_write", "nvme write weights", params * mb / hw.nvme_write, [last_cpu],
                                         params * mb, stream="param write", host_bytes=params * mb))
-            elif config.params_on == "host":
+            elif config.placement.params_on == "host":
                 uploads.append(last_cpu)  # rounded into the host home: the next fetch reads it there
-            elif not config.delay:
+            elif not config.options.delayed:
                 uploads.append(self.copy("h2d", params * mb, 1, "h2d weights", [last_cpu], "h2d", rank))
         return last_cpu
 
@@ -334,7 +338,7 @@ class _Builder:
         subgroups whose gradients exist (as many as there are sets) starts in during backward, and those are
         updated first; the others follow in order, each waiting for a set to be free."""
         config, plan, hw = self.config, self.plan, self.hw
-        resident, streamed = device_subgroups(len(groups), config.gpu_fraction, config.stride)
+        resident, streamed = device_subgroups(len(groups), config.options.gpu_fraction, config.options.stride)
         sets = scratch_sets(max(groups[i][0] for i in streamed), hw.link_h2d, hw.device_adam_rate,
                             hw.link_latency) if streamed else 0
         early = sorted(streamed, reverse=True)[:sets]  # backward makes the last subgroups' gradients first
@@ -367,7 +371,7 @@ def predict(work: Workload, hw: Hardware, config: StepConfig | None = None, step
                         f"{type(hw).__name__}")
     if steps < 2:
         raise ValueError(f"steps must be at least 2 (the last one is reported in steady state), got {steps}")
-    builder, ranks = _Builder(work, hw, config), config.ranks
+    builder, ranks = _Builder(work, hw, config), config.placement.ranks
     ends, after, first_op_of_last_step = [], None, 0
     for _ in range(steps):
         first_op_of_last_step = len(builder.plan.ops)
@@ -397,7 +401,8 @@ def predict(work: Workload, hw: Hardware, config: StepConfig | None = None, step
     prediction.host_memory_s = max(host_bytes(rank) for rank in range(ranks)) / hw.host_bandwidth
     prediction.lower_bound_s = max([*prediction.resource_busy.values(), prediction.host_memory_s])
     floor = prediction.host_memory_s
-    if config.offload and not config.delay:  # the update phase: from a rank's step() to the next forward
+    # the update phase: from a rank's step() to the next forward
+    if config.placement.offloaded and not config.options.delayed:
         entries = {0: min(builder.entry.values(), key=lambda op: ops[op].end)} if hw.shared_host else builder.entry
         for rank, op in entries.items():
             entry = ops[op].end

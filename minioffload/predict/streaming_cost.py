@@ -23,76 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from itertools import pairwise
 
 from ..machine import profiles
 from ..machine.profiles import Hardware
 from ..units import GB, GiB
 from . import memory
-from .stepmodel import Prediction, StepConfig, Workload, predict
+from .shapes import CONTEXT, GPT3, VOCAB, Shape, shape, shape_for  # noqa: F401  (chapter 8 reads them here)
+from .stepmodel import Prediction, StepConfig, predict
 
-VOCAB, CONTEXT = 50257, 2048
 SUBGROUP = 1 << 26  # the optimizer's subgroup size in these predictions (coarser than the engine's default)
-# name -> (n_layer, d_model, n_head), Brown et al. 2020, Table 2.1
-GPT3 = {
-    "GPT-3 Small": (12, 768, 12), "GPT-3 Medium": (24, 1024, 16), "GPT-3 Large": (24, 1536, 16),
-    "GPT-3 XL": (24, 2048, 16),  # the table's 24 heads of 128 do not make 2048: 16 here
-    "GPT-3 2.7B": (32, 2560, 32), "GPT-3 6.7B": (32, 4096, 32),
-    "GPT-3 13B": (40, 5120, 40),  # the table's d_model 5140 does not split into 40 heads: 5120 here
-    "GPT-3 175B": (96, 12288, 96),
-}
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A GPT of `n_layer` blocks, `d_model` wide, `n_head` heads (GPT-3's vocabulary and context)."""
-
-    n_layer: int
-    d_model: int
-    n_head: int
-
-    @property
-    def block_params(self) -> int:
-        """Attention (4 d^2 + 4 d), MLP (8 d^2 + 5 d), two LayerNorms (4 d)."""
-        return 12 * self.d_model ** 2 + 13 * self.d_model
-
-    @property
-    def resident_params(self) -> int:
-        """Token and position embeddings (the head is tied to the first) and the final LayerNorm."""
-        return (VOCAB + CONTEXT + 2) * self.d_model
-
-    @property
-    def num_params(self) -> int:
-        return self.n_layer * self.block_params + self.resident_params
-
-    def workload(self, tokens: int, precision: str = "mixed_bf16") -> Workload:
-        return Workload(self.num_params, tokens, precision, 12 * self.n_layer + 4, True, self.n_layer,
-                        self.resident_params)
-
-    def __str__(self) -> str:
-        return f"{self.num_params / 1e9:.1f}B ({self.n_layer} x {self.d_model})"
-
-
-def shape(d_model: int) -> Shape:
-    """The family's shape of width `d_model` (a multiple of 128, at least 768)."""
-    if d_model % 128 or d_model < 768:
-        raise ValueError(f"d_model must be a multiple of 128, at least 768, got {d_model!r}")
-    rows = sorted(GPT3.values(), key=lambda row: row[1])
-    for n_layer, d, n_head in rows:
-        if d == d_model:
-            return Shape(n_layer, d, n_head)
-    for (l0, d0, _), (l1, d1, _) in pairwise(rows):
-        if d0 < d_model < d1:
-            return Shape(round(l0 + (l1 - l0) * (d_model - d0) / (d1 - d0)), d_model, d_model // 128)
-    return Shape(d_model // 128, d_model, d_model // 128)  # beyond 175B: 175B's aspect ratio
-
-
-def shape_for(num_params: float) -> Shape:
-    """The family's shape whose parameter count is closest to `num_params`."""
-    d = 768
-    while shape(d + 128).num_params <= num_params:
-        d += 128
-    return min(shape(d), shape(d + 128), key=lambda s: abs(s.num_params - num_params))
 
 
 def needed_bytes(model: Shape, params_on: str, prefetch: int, precision: str = "mixed_bf16",
@@ -113,7 +52,8 @@ def step(model: Shape, hw: Hardware, params_on: str, prefetch: int, precision: s
          tokens: int = CONTEXT) -> Prediction:
     """stepmodel.predict of `model` streamed from `params_on` at depth `prefetch` (the optimizer's state on NVMe with
     the "nvme" home), every block recomputed."""
-    config = StepConfig(subgroup_numel=SUBGROUP, nvme=params_on == "nvme", params_on=params_on, prefetch=prefetch)
+    config = StepConfig(optimizer_on="nvme" if params_on == "nvme" else "host", params_on=params_on,
+                        prefetch=prefetch, subgroup_numel=SUBGROUP)
     return predict(model.workload(tokens, precision), hw, config)
 
 

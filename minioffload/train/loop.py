@@ -51,14 +51,13 @@ from ..model.activations import POLICIES, Activations
 from ..model.gpt import GPT, CharTokenizer, GPTConfig, batches, load_text, train_val_split
 from ..model.streaming import ParamStreamer, plan
 from ..nvme.swapper import Swapper
-from ..options import OffloadOptions
+from ..options import OffloadOptions, Placement, check_run
 from ..paths import usable_directory
 from . import checkpoint, checkpoint_async
 from .report import PHASES, format_summary, step_phases, summarize
 
 DEVICES = ("auto", "sim", "cuda")
 PRECISIONS = ("fp32", "bf16")
-PARAMS_ON = ("device", "host", "nvme")
 __all__ = ["PHASES", "TrainConfig", "TrainResult", "format_summary", "preflight", "step_phases", "train"]
 EVAL_BATCHES = 8  # validation batches per evaluation (the same ones every time)
 
@@ -70,7 +69,8 @@ def _train_defaults() -> OffloadOptions:
 @dataclass
 class TrainConfig:
     """Everything a training run needs; checked on construction (ValueError naming the field). The offload
-    engine's options are one `OffloadOptions` (options.py), checked by its own rules."""
+    engine's options are one `OffloadOptions`, and where the state lives (offload, nvme_dir, params_on, prefetch,
+    shard) is one `Placement` (`placement`): both checked by the settings' rules (options.py)."""
 
     device: str = "auto"  # "auto" | "sim" | "cuda"
     model: str = "tiny"  # a GPTConfig preset
@@ -101,9 +101,6 @@ class TrainConfig:
         _choice("device", self.device, DEVICES)
         _choice("model", self.model, tuple(GPTConfig.preset_names()))
         _choice("precision", self.precision, PRECISIONS)
-        _choice("params_on", self.params_on, PARAMS_ON)
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"TrainConfig.prefetch must be an int >= 0, got {self.prefetch!r}")
         if self.device_memory is not None and (isinstance(self.device_memory, bool)
                                                or not isinstance(self.device_memory, int) or self.device_memory < 1):
             raise ValueError("TrainConfig.device_memory must be a positive number of bytes, got "
@@ -125,14 +122,17 @@ class TrainConfig:
         if not isinstance(self.optimizer, OffloadOptions):
             raise ValueError("TrainConfig.optimizer must be an OffloadOptions (minioffload.options), got "
                              f"{type(self.optimizer).__name__}")
-        if self.nvme_dir is not None:
-            self.optimizer.check_nvme()
+        if self.nvme_dir is not None and not self.offload:
+            raise ValueError("TrainConfig.nvme_dir keeps OffloadAdam's state in files (its NVMe tier), and "
+                             "offload=False keeps torch's AdamW on the device: set offload=True or drop nvme_dir")
+        try:
+            placement = self.placement
+        except ValueError as err:  # a field's own check: "params_on must be one of ..."
+            raise ValueError(f"TrainConfig.{err}") from None
         if self.params_on == "nvme" and self.nvme_dir is None:
             raise ValueError("TrainConfig.params_on='nvme' keeps the weights in nvme_dir/weights: give "
                              "TrainConfig.nvme_dir")
-        if self.params_on != "device" and (self.optimizer.delayed or self.optimizer.hybrid):
-            raise ValueError(f"TrainConfig.params_on={self.params_on!r} updates the streamed weights on the CPU: "
-                             "delay_updates_after, gpu_fraction and stride need them on the device")
+        check_run(placement, self.optimizer)
         if self.checkpoint_every is not None:
             if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
                     or self.checkpoint_every < 1:
@@ -140,15 +140,15 @@ class TrainConfig:
             if self.checkpoint_dir is None or self.shard or not self.offload:
                 raise ValueError("TrainConfig.checkpoint_every writes lazy asynchronous checkpoints of one process's "
                                  "OffloadAdam into checkpoint_dir: give checkpoint_dir, offload=True and no shard")
-        if self.shard and (self.optimizer.delayed or self.optimizer.hybrid):
-            raise ValueError("TrainConfig.shard runs the synchronous CPU update: leave delay_updates_after, "
-                             "gpu_fraction and stride unset")
-        needs_offload = (self.optimizer.offload_only() + (["shard"] if self.shard else [])
-                         + (["nvme_dir"] if self.nvme_dir is not None else [])
-                         + (["params_on"] if self.params_on != "device" else []))
-        if needs_offload and not self.offload:
-            raise ValueError(f"TrainConfig: {', '.join(needs_offload)}: OffloadAdam's options, which need "
-                             "offload=True")
+
+    @property
+    def placement(self) -> Placement:
+        """Where this run keeps its state: offload=False is the optimizer on the device (torch's AdamW), nvme_dir its
+        NVMe tier; shard, the state sharded over torchrun's ranks (WORLD_SIZE, and at least 2: a sharded run is
+        checked as one of several ranks)."""
+        optimizer_on = "device" if not self.offload else "host" if self.nvme_dir is None else "nvme"
+        ranks = max(2, int(os.environ.get("WORLD_SIZE", 2))) if self.shard else 1
+        return Placement(optimizer_on=optimizer_on, params_on=self.params_on, prefetch=self.prefetch, ranks=ranks)
 
 
 def _choice(name: str, value, allowed: tuple[str, ...]) -> None:

@@ -179,11 +179,12 @@ def _mistakes(case: Case, p: Parts) -> list[tuple[str, dict]]:
                     _with(p, state=on_device)))
     if case.optimizer_on == "nvme":
         host = plan._state_bytes(model, dataclasses.replace(case.config, optimizer_on="host"), precision)
-        out.append(("the optimizer on NVMe counted as on the host: pass nvme=True (its state lives in the swapper's "
-                    "files; pinned host memory keeps the gradients and three working sets)", _with(p, state=host)))
+        out.append(("the optimizer on NVMe counted as on the host: pass optimizer_on='nvme' to engine_bytes, "
+                    "nvme=True to streamed_bytes (its state lives in the swapper's files; pinned host memory keeps "
+                    "the gradients and three working sets)", _with(p, state=host)))
     if case.params_on != "device":
-        resident = memory.engine_bytes(plan.tensor_numels(model), precision, case.subgroup_numel,
-                                       nvme=case.optimizer_on == "nvme")
+        resident = memory.engine_bytes(plan.tensor_numels(model), precision, optimizer_on=case.optimizer_on,
+                                       subgroup_numel=case.subgroup_numel)
         out.append((f"streamed weights counted as resident: with params_on={case.params_on!r} the device holds the "
                     "resident weights and a window of prefetch + 1 blocks (plus one block's gradients), "
                     "memory.streamed_bytes", _with(p, state=resident)))

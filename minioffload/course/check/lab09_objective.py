@@ -130,14 +130,14 @@ def _lazy_mistakes(p: Plan, hw: profiles.Hardware, limits: plan.Limits) -> list[
         model = p.model
         work = stepmodel.Workload(model.num_params, tokens, p.precision, model.num_tensors, False, model.n_layer,
                                   model.resident_params)
-        config = dataclasses.replace(plan._step_config(_config(p), limits.mfu, p.gpu_fraction), clip=clip)
+        config = p.step_config(limits.mfu).replace(max_grad_norm=p.options.max_grad_norm if clip else None)
         return stepmodel.predict(work, hw, config).step_s
 
     one = plan.prediction(p, hw, limits).step_s
     out = []
     if p.optimizer_on != "device":
-        out.append(("no clipping in the prediction: the planner's plans clip gradients (StepConfig(clip=True); "
-                    "train_config sets max_grad_norm=1.0), one more pass over the host's gradients",
+        out.append(("no clipping in the prediction: the planner's plans clip gradients (Plan.options sets "
+                    "max_grad_norm=1.0, for the step model and train alike), one more pass over the host's gradients",
                     p.step_s - one + predicted(p.micro_batch * p.model.seq_len, False)))
     if p.grad_accum > 1:
         whole = predicted(p.tokens_per_step, True)

@@ -144,11 +144,6 @@ class OffloadOptions:
     def clips(self) -> bool:
         return self.max_grad_norm is not None
 
-    def check_nvme(self) -> None:
-        """The NVMe tier's rules (check_run with optimizer_on='nvme'): it combines with neither delayed nor hybrid
-        updates yet."""
-        check_run(Placement(optimizer_on="nvme"), self)
-
     def offload_only(self) -> list[str]:
         """The options set here that only the offloaded optimizer has (a baseline on the device cannot take)."""
         return [name for name in _OFFLOAD_ONLY if getattr(self, name) != _DEFAULTS[name]]

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from minioffload import options
-from minioffload.options import OffloadOptions
+from minioffload.options import OffloadOptions, Placement, check_run
 
 
 @pytest.mark.parametrize("name, value, says", [
@@ -37,9 +37,9 @@ def test_each_rule_across_options_has_its_message(settings, says):
 
 
 def test_the_nvme_rule_and_what_only_the_offloaded_optimizer_has():
-    OffloadOptions(max_grad_norm=1.0).check_nvme()  # fine
+    check_run(Placement(optimizer_on="nvme"), OffloadOptions(max_grad_norm=1.0))  # fine
     with pytest.raises(ValueError, match="NVMe tier does not combine"):
-        OffloadOptions(stride=3).check_nvme()
+        check_run(Placement(optimizer_on="nvme"), OffloadOptions(stride=3))
     assert OffloadOptions().offload_only() == []
     assert OffloadOptions(stride=3, min_offload_numel=5, max_grad_norm=1.0).offload_only() == [
         "min_offload_numel", "stride"]

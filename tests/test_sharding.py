@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -309,7 +310,7 @@ def test_sharded_options_are_refused_clearly():
         TrainConfig(device="sim", shard=True, optimizer=OffloadOptions(gpu_fraction=0.5))
     with device("sim") as dev:
         with pytest.raises(ValueError, match="leave delay_updates_after, gpu_fraction, stride and speculative off"):
-            OffloadAdam(on_sim(Toy(), dev).parameters(), dev, shard=object(), stride=2)
+            OffloadAdam(on_sim(Toy(), dev).parameters(), dev, shard=SimpleNamespace(world=2), stride=2)
     with pytest.raises(ValueError, match="torch.distributed initialised"):
         Shard()
 

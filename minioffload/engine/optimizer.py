@@ -71,7 +71,7 @@ import torch
 from .. import layout
 from ..kernels.adam import adam_fused
 from ..layout import Slot, Subgroup, Where
-from ..options import OffloadOptions
+from ..options import OffloadOptions, Placement, check_run
 from . import buffers, state
 from .delayed import DelayedUpdate
 from .gradients import GradientPath
@@ -99,18 +99,11 @@ class OffloadAdam(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.01, *, options: OffloadOptions | None = None,
                  swapper=None, streamer=None, shard=None, **option_fields):
         options = (options or OffloadOptions()).replace(**option_fields)
-        if swapper is not None:
-            options.check_nvme()
-        if streamer is not None and (options.delayed or options.hybrid):
-            raise ValueError("streamed weights are updated on the CPU and sent home between steps: "
-                             "delay_updates_after, gpu_fraction and stride need them on the device; leave them off")
-        if shard is not None and (options.delayed or options.hybrid or options.speculative):
-            raise ValueError("sharded offload (shard=) runs the synchronous CPU update on the host: leave "
-                             "delay_updates_after, gpu_fraction, stride and speculative off")
-        if options.speculative and (swapper is not None or streamer is not None):
-            raise ValueError("the speculative update keeps a second set of state in host memory and uploads the "
-                             "weights: it is built for the host tier with weights on the device; leave swapper= and "
-                             "streamer= out, or speculative off")
+        # the run's rules, in the words every entry point uses (options.py); a shard of one rank still runs the
+        # sharded step, so it is held to the rules of several
+        check_run(Placement(optimizer_on="nvme" if swapper is not None else "host",
+                            params_on="host" if streamer is not None else "device",
+                            ranks=max(2, shard.world) if shard is not None else 1), options)
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not trainable:

@@ -23,7 +23,6 @@ Headline (bench/results/checkpoint.json):
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
@@ -43,19 +42,12 @@ from common import interleaved, stats, write  # noqa: E402
 from minioffload.devices import device  # noqa: E402
 from minioffload.engine.optimizer import OffloadAdam  # noqa: E402
 from minioffload.model import gpt as models  # noqa: E402
+from minioffload.nvme.swapper import fsync_path  # noqa: E402
 from minioffload.train.checkpoint_async import AsyncCheckpointer  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, no group: as intended
 KINDS = ("no checkpoint", "blocking torch.save", "DCP async_save", "async (ours)")
 STEPS = 4  # consecutive steps per round, each followed by a checkpoint
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def make_run(kind: str, preset: str, batch_size: int, block_size: int, scratch: Path):
@@ -80,7 +72,7 @@ def make_run(kind: str, preset: str, batch_size: int, block_size: int, scratch: 
         if kind == "blocking torch.save":
             path = directory / "state.pt"
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
-            _fsync(path)
+            fsync_path(path)
         elif kind == "DCP async_save":
             import torch.distributed.checkpoint as dcp
 

@@ -45,9 +45,13 @@ def init(device_kind: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
-def leave() -> None:
-    """Leave the process group `init` joined (the end of a run)."""
+def leave(wait_for_all: bool = True) -> None:
+    """Leave the process group `init` joined (the end of a run). `wait_for_all`: first meet every rank at a barrier,
+    so that no rank tears its connections down while another still uses them (leave it off after an error, when
+    the others may never arrive)."""
     if dist.is_initialized():
+        if wait_for_all:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -253,12 +253,15 @@ def train(config: TrainConfig) -> TrainResult:
     if shard is not None and _on_cuda(config):
         options = {"index": int(os.environ.get("LOCAL_RANK", 0))}
     dev = make_device(config.device, **options)
+    finished = False
     try:
-        return _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard)
+        result = _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard)
+        finished = True
+        return result
     finally:
         dev.close()
         if shard is not None:
-            sharding.leave()
+            sharding.leave(wait_for_all=finished)  # after an error the other ranks may never reach the barrier
 
 
 def _on_cuda(config: TrainConfig) -> bool:

@@ -14,7 +14,7 @@ Two groups of rows:
   update-heavy  a PaddedStack (model/gpt.py: 10 linear layers, ~10.5M parameters) whose forward and backward take
                 modelled times on the device, sleeping instead of using the host's cores as a GPU would: backward
                 as long as the synchronous CPU update measured just before (forward half that), so that backward
-                and the update take similar time, as the issue asks; synchronous vs speculative. The CPU Adam gets
+                and the update take similar time; synchronous vs speculative. The CPU Adam gets
                 one core (numba threads 1) and the device's host-side work (its real part of forward and backward,
                 the hooks; torch threads 1) the other: on two cores they would otherwise take turns. Both still
                 share the host's DRAM, which the device's real work would not touch on a GPU. (A real

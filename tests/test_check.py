@@ -159,3 +159,13 @@ def test_a_kernel_cell_shows_its_cell_number_and_line(tmp_path):
     frames = [line for line in lines if line.startswith("  File ")]
     assert frames == ['  File "Cell In[2]", line 7, in bytes_per_param', '  File "Cell In[2]", line 2, in _lookup']
     assert lines[-1] == "KeyError: 'fp32'"
+
+
+def test_a_target_check_prints_a_miss_as_a_miss(capsys):
+    from minioffload.course import check
+
+    check.target("the error is within 0.15", 0.56, 0.15, 0.56 <= 0.15, "8 plans")
+    check.target("the error is within 0.15", 0.10, 0.15, 0.10 <= 0.15)
+    missed, met = capsys.readouterr().out.splitlines()
+    assert missed == "MISSED: 0.56 against 0.15: the error is within 0.15 (8 plans)"
+    assert met == "MET the error is within 0.15 (0.10 against 0.15)" and "PASS" not in missed

@@ -11,7 +11,7 @@ Tijdeman's chairman assignment (largest remainder, restricted to the paths that 
 subgroup), which keeps every prefix 0..N-1 within 1 - 1/(2k-2) subgroups of each path's exact share for k paths. Plain
 largest remainder can drift past one subgroup with four or more paths. Other keys go where the xxHash of their first
 "/"-part falls in the same shares. The same paths and bandwidths give the same placement in every process, so a
-restarted run finds its files (the issue cites DeepSpeed's unstable swap-file names).
+restarted run finds its files.
 
 Bandwidths: given (any unit: only the ratios count), or, when None, measured once through each path's own swapper
 with nvme_tune.measure on a small file (`measure_bytes`): the harmonic mean of its write and read GB/s, the rate at

@@ -166,8 +166,8 @@ def published_setups() -> list[Verdict]:
                    "dgx-2", "the node's 16 GPUs as one device")
     rtx = dataclasses.replace(profiles.preset("rtx4090"), name="rtx4090 + 256 GiB", host_memory=256 * GiB,
                               sources={**profiles.preset("rtx4090").sources, "host_memory":
-                                       "as stated in the issue: Fuyou's 175B on one RTX 4090 with 256 GB of host "
-                                       "memory (DIMMs: taken as GiB)"})
+                                       "the setup as Fuyou's 175B result is usually quoted: one RTX 4090 with 256 GB "
+                                       "of host memory (DIMMs: taken as GiB)"})
     return [
         check("SynergyScale 114.41B on one A100-80GB", 114.41e9, a100, [
             "the paper's host is not in our references: the A100 is given a whole DGX A100-like host (2 TiB, two "
@@ -185,8 +185,8 @@ def published_setups() -> list[Verdict]:
             "ZeRO-Infinity offloads gradients to NVMe and activation checkpoints to host memory",
             "DGX-2 NVMe rates are estimates", *COMMON], precision="mixed_fp16", gpus=16),
         check("Fuyou 175B on one RTX 4090 with 256 GB of host memory", 175e9, rtx, [
-            "host memory 256 GB as stated in the issue (Fuyou's paper may use more: not checked); the rest is our "
-            "rtx4090 workstation preset",
+            "host memory 256 GB, as the result is usually quoted (Fuyou's paper may use more: not checked); the rest "
+            "is our rtx4090 workstation preset",
             "one NVMe drive (a Samsung 990 PRO); Fuyou spreads its I/O over several SSDs",
             "Fuyou overlaps its out-of-core CPU Adam with backward and swaps activations to SSD; we update after "
             "backward and keep activations on the device",

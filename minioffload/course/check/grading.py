@@ -142,3 +142,13 @@ def expect(claim: str, ok: bool, detail: str = "") -> None:
     """A chapter's check cell: print 'PASS claim (detail)' or 'FAIL claim (detail)' on one line."""
     print(f"{'PASS' if ok else 'FAIL'} {claim}" + (f" ({detail})" if detail else ""))
 
+
+def target(claim: str, value: float, goal: float, met: bool, detail: str = "") -> None:
+    """A chapter's check of a stated target, on one line: 'MET claim (value against goal)', or
+    'MISSED: value against goal: claim' when `met` is False. The threshold is the target itself, never a looser one."""
+    against = f"{value:.2f} against {goal:.2f}"
+    if met:
+        print(f"MET {claim} ({against}" + (f"; {detail})" if detail else ")"))
+    else:
+        print(f"MISSED: {against}: {claim}" + (f" ({detail})" if detail else ""))
+

@@ -201,10 +201,10 @@ def _correct(waits, trials=20, jitter=2e-3):
     return ok
 
 
-def test_jitter_catches_a_planted_missing_wait_and_never_fails_the_correct_pipeline():
+def test_jitter_never_fails_the_correct_pipeline():
+    """Jitter reorders nothing that is ordered. (A missing wait is caught in every run by the strict sim:
+    test_hazards.py; under jitter alone it shows up only in some runs, so no test counts on that.)"""
     assert _correct(pipeline.WAITS) == 20
-    caught = 20 - _correct(pipeline.WAITS - {"compute_after_h2d"})
-    assert caught >= 11, f"a missing wait was caught in only {caught} of 20 jittered trials"
 
 
 def test_a_tensor_freed_while_the_ledger_lock_is_held_does_not_deadlock(sim):

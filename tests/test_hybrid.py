@@ -63,6 +63,7 @@ def test_the_device_path_moves_12_bytes_per_param_each_way_while_the_cpu_updates
         dev.synchronize()
         dev.trace.clear()  # from backward on: the first streamed subgroups' state goes in while backward runs
         loss_of(model, *batch(0), use_side=True).backward()  # every parameter gets a gradient
+        dev.synchronize()  # a span is traced when its copy ends: count every copy backward queued
         prefetched = sum(s.nbytes for s in dev.trace.on("h2d"))
         opt.step()
         dev.synchronize()

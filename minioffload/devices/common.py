@@ -52,6 +52,7 @@ class DeviceMemory:
         self._names = itertools.count()
         self._held: dict[int, str] = {}  # storage address -> ledger key
         self._finalizers: dict[str, weakref.finalize] = {}  # ledger key -> what frees it when its tensor dies
+        self.on_release = None  # called with a storage's address when it stops being counted (the sim's checker)
 
     def reserve(self, shape, dtype: torch.dtype, name: str) -> tuple[tuple[int, ...], str]:
         """Check an allocation and count it (OutOfMemoryError, nothing changed, if it does not fit).
@@ -73,6 +74,8 @@ class DeviceMemory:
         return tensor
 
     def _release(self, address: int, key: str) -> None:
+        if self.on_release is not None:
+            self.on_release(address)
         self._held.pop(address, None)
         self._finalizers.pop(key, None)
         self.ledger.free(key)

@@ -173,6 +173,9 @@ class CudaDevice:
         event._check("the compute stream")
         torch.cuda.current_stream(self.torch_device).wait_event(event.event)
 
+    def uses(self, what: str, reads=(), writes=()) -> None:
+        """Compute reads or writes these tensors now: a check on the simulator only (its hazard checker)."""
+
     def _timed(self, stream: CudaStream, lane: str, name: str, nbytes: int, work: Callable[[], None]) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream.stream):

@@ -13,12 +13,22 @@ In strict mode (`SimDevice(strict=True)`) every copy and launch is checked when 
   fails the stream if it did. Neither sees the host act between issue and start: the sim cannot tell that from
   device-side work an event orders before the copy (the vector clocks see that work, not the host's).
 
-How "may still" is decided: vector clocks. Each stream counts its ops; an event carries the clock of its stream
-when recorded; `stream.wait(event)` merges it; the host's clock holds what it has waited for (an event, a
-stream, the device); an op issued after the host waited for some work is ordered after it, as on a GPU.
+* **compute**: the sim's compute is the host thread, so the checker cannot see each torch op. The runtime names
+  what compute reads and writes where it matters (`dev.uses(what, reads=, writes=)`: the weights a block's forward
+  reads, the gradient backward wrote, the activation backward reads, the staged gradient the CPU Adam reads).
+  Such a use is checked like a stream's op, and a use of device memory is remembered as compute's, because on a
+  GPU compute is queued work too: a copy stream that writes what compute read, or reads what it wrote, must wait
+  for compute first (`dev.stream_waits_for_compute`).
 
-What this is not: a checker of the host's own reads and writes of device memory (the sim's compute is the host
-itself), nor of launches' inner accesses beyond their tensor arguments (taken as read and written).
+How "may still" is decided: vector clocks. Each stream counts its ops, and so does compute; an event carries the
+clock of its stream when recorded; `stream.wait(event)` merges it; the host's clock holds what it has waited for
+(an event, a stream, the device); an op issued after the host waited for some work is ordered after it, as on a
+GPU. Every check is made when the work is issued, from counts alone, so a missing wait raises in every run,
+however the threads happen to be scheduled.
+
+What this is not: a checker of every torch op compute runs (only the uses the runtime names), nor of launches'
+inner accesses beyond their tensor arguments (taken as read and written), nor a model of a GPU that runs behind
+the host (compute here is done when the host moves on).
 """
 
 from __future__ import annotations
@@ -27,6 +37,8 @@ import threading
 from dataclasses import dataclass
 
 import torch
+
+COMPUTE = "compute"  # the checker's name for the compute stream (the sim's host thread)
 
 
 class HazardError(RuntimeError):
@@ -52,6 +64,7 @@ class _Access:
     writes: bool
     what: str
     kept: bool = False  # its memory is kept alive for its stream (record_stream): not handed out before it runs
+    storage: int = 0  # compute's uses: the device storage's address (forgotten when that memory is freed)
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
@@ -77,8 +90,9 @@ class Checker:
 
     def __init__(self, describe):
         self._describe = describe  # tensor -> a name for messages
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a tensor that dies while it is held releases its memory here too
         self.host: dict = {}
+        self.compute = 0  # how many uses compute has made (its clock's own count)
         self._accesses: list[_Access] = []
 
     # clocks -----------------------------------------------------------------------------------
@@ -105,8 +119,13 @@ class Checker:
             self._accesses = [a for a in self._accesses if not ordered_before(a.stamp, self.host)]
 
     def stream_waits_for_host(self, stream) -> None:
+        """`stream` waits for compute issued so far (and for what the host has waited for)."""
         with self._lock:
-            stream._clock = merge(getattr(stream, "_clock", {}), self.host)
+            stream._clock = merge(getattr(stream, "_clock", {}), merge(self.host, {COMPUTE: self.compute}))
+
+    def host_waits_for_compute(self) -> None:
+        """The host waited for the whole device, compute included."""
+        self.host_waits({COMPUTE: self.compute})
 
     # accesses ---------------------------------------------------------------------------------
     def kept_alive(self, tensor: torch.Tensor, stream) -> None:
@@ -117,11 +136,48 @@ class Checker:
                 if old.agent == stream._agent and old.lo < hi and lo < old.hi:
                     old.kept = True
 
-    def allocated(self, tensor: torch.Tensor) -> None:
-        """New device memory: the work its old memory was kept alive for has run (else it would not be free)."""
+    def allocated(self, tensor: torch.Tensor, by_runtime: bool = True) -> None:
+        """New device memory: the work its old memory was kept alive for has run (else it would not be free). Memory
+        the runtime allocates (`by_runtime`: dev.empty, restore_storage) also forgets compute's uses of the old: a
+        caching allocator hands memory freed by compute to the next allocation at once, ordered after those uses on
+        the compute stream. (Memory autograd made, adopted, keeps them: compute's next uses of it are its own.)"""
         lo, hi = _span(tensor)
         with self._lock:
-            self._accesses = [a for a in self._accesses if not (a.kept and a.lo < hi and lo < a.hi)]
+            self._accesses = [a for a in self._accesses if not (
+                (a.kept or (by_runtime and a.agent == COMPUTE)) and a.lo < hi and lo < a.hi)]
+
+    def uses(self, reads: list[torch.Tensor], writes: list[torch.Tensor], what: str, on_device) -> None:
+        """Compute (or the host itself, for host memory) reads and writes these tensors now: raise HazardError if a
+        stream's work on them is not ordered before; remember the device ones as compute's."""
+        with self._lock:
+            self.compute += 1
+            clock = merge(self.host, {COMPUTE: self.compute})
+            new = [(t, False) for t in reads] + [(t, True) for t in writes]
+            for tensor, writes_it in new:
+                lo, hi = _span(tensor)
+                if lo == hi:
+                    continue
+                for old in self._accesses:
+                    if old.agent == COMPUTE or old.hi <= lo or hi <= old.lo or not (writes_it or old.writes):
+                        continue
+                    if not ordered_before(old.stamp, clock):
+                        raise HazardError(
+                            f"{what} {'writes' if writes_it else 'reads'} {self._describe(tensor)}, which "
+                            f"{old.what} on stream {old.agent!r} may still {'write' if old.writes else 'read'}: "
+                            f"nothing orders that work before this. Record an event on {old.agent!r} after it "
+                            f"and wait for it first (dev.compute_waits_for(event), or event.synchronize() on "
+                            f"the host)")
+            for tensor, writes_it in new:
+                lo, hi = _span(tensor)
+                if lo < hi and on_device(tensor):
+                    self._accesses.append(_Access(lo, hi, COMPUTE, {COMPUTE: self.compute}, writes_it, what,
+                                                  storage=tensor.untyped_storage().data_ptr()))
+
+    def released(self, storage: int) -> None:
+        """Device memory was freed: compute's uses of it are forgotten. (Memory handed out again is a new tensor;
+        whether a side stream may write it before compute is done with the old is for a simulator that lags.)"""
+        with self._lock:
+            self._accesses = [a for a in self._accesses if not (a.agent == COMPUTE and a.storage == storage)]
 
     def access(self, stream, clock: dict, reads: list[torch.Tensor], writes: list[torch.Tensor], op: str) -> None:
         """Check an op's reads and writes against earlier unordered ones; raise HazardError, or remember them."""
@@ -139,9 +195,11 @@ class Checker:
                         raise HazardError(
                             f"{op} on stream {stream.name!r} {'writes' if writes_it else 'reads'} "
                             f"{self._describe(tensor)}, which {old.what} on stream {old.agent!r} may still "
-                            f"{'write' if old.writes else 'read'}: nothing orders that work before this. Record "
-                            f"an event on {old.agent!r} after it and call stream.wait(event) on "
-                            f"{stream.name!r} (or wait for it on the host) before issuing this")
+                            f"{'write' if old.writes else 'read'}: nothing orders that work before this. "
+                            + (f"Call dev.stream_waits_for_compute({stream.name!r} stream) before issuing this"
+                               if old.agent == COMPUTE else
+                               f"Record an event on {old.agent!r} after it and call stream.wait(event) on "
+                               f"{stream.name!r} (or wait for it on the host) before issuing this"))
             for tensor, writes_it in new:
                 lo, hi = _span(tensor)
                 if lo < hi:

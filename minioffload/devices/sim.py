@@ -77,6 +77,8 @@ class SimDevice:
         self.strict = os.environ.get("MINIOFFLOAD_SIM_STRICT") == "1" if strict is None else strict
         self.memory = DeviceMemory(memory_bytes)
         self.hazards = Checker(self._describe) if self.strict else None  # devices/hazards.py: missing waits raise
+        if self.hazards:
+            self.memory.on_release = self.hazards.released
         self.ledger = self.memory.ledger
         self.trace = trace or Trace()
         self.links = {"h2d": h2d, "d2h": d2h}
@@ -112,6 +114,7 @@ class SimDevice:
         if self.hazards:
             for s in self._streams:
                 self.hazards.host_waits(getattr(s, "_clock", {}))
+            self.hazards.host_waits_for_compute()
         self._raise_stream_error()
 
     def _random_delay(self) -> float:
@@ -138,9 +141,9 @@ class SimDevice:
             return self._allocated(self.memory.track(torch.full(shape, float("nan"), dtype=dtype), key))
         return self._allocated(self.memory.track(torch.zeros(shape, dtype=dtype), key))
 
-    def _allocated(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _allocated(self, tensor: torch.Tensor, by_runtime: bool = True) -> torch.Tensor:
         if self.hazards:
-            self.hazards.allocated(tensor)
+            self.hazards.allocated(tensor, by_runtime)
         return tensor
 
     def host_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.float32,
@@ -160,8 +163,10 @@ class SimDevice:
         return self.memory.holds(tensor)
 
     def adopt(self, tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
-        """Count an existing CPU tensor as device memory (a model "moved to" the sim device)."""
-        return self.memory.adopt(tensor, name)
+        """Count an existing CPU tensor as device memory (a model "moved to" the sim device, a tensor autograd made)."""
+        if self.memory.holds(tensor):
+            return tensor
+        return self._allocated(self.memory.adopt(tensor, name), by_runtime=False)
 
     def place(self, model, name: str = "param"):
         """Put a model (or an iterable of parameters) on the device, and count it there; returns what it put:
@@ -216,6 +221,13 @@ class SimDevice:
     def compute_waits_for(self, event: SimEvent) -> None:
         """Make the next compute wait for `event`: on the sim, the host blocks until it is reached."""
         event.synchronize()
+
+    def uses(self, what: str, reads=(), writes=()) -> None:
+        """Compute (`what`: a block's forward, a backward hook) reads or writes these tensors now; for host memory,
+        the host itself does. With `strict`, raises HazardError if a stream's work on them is not ordered before
+        (devices/hazards.py); otherwise nothing."""
+        if self.hazards:
+            self.hazards.uses(list(reads), list(writes), what, self.is_device)
 
     # work -------------------------------------------------------------------------------------
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: SimStream | None = None,

@@ -56,7 +56,6 @@ class DevicePath:
     def take_grad(self, slot) -> None:
         """backward's hook for a parameter updated on the device: its gradient stays (torch accumulates there); once
         the subgroup's gradients all exist, a streamed subgroup's state starts in, during backward."""
-        self.dev.adopt(slot.param.grad, "grad")
         slot.has_grad = True
         if all(s.has_grad for s in slot.subgroup.slots):
             self.prefetch(slot.subgroup)

@@ -60,6 +60,7 @@ class GradientPath:
             self.delayed.join()  # the delayed update may still be reading the gradient buffer
         for done, staging in holder.pending:
             done.synchronize()  # never read an in-flight copy
+            self.packing.dev.uses("the CPU adding a staged gradient", reads=[staging])
             holder.view(slot.subgroup.buffers["grad"]).add_(staging.reshape(-1).float())
         holder.pending.clear()
 

@@ -170,6 +170,11 @@ class OffloadAdam(torch.optim.Optimizer):
         slot = self.packing.slots[param]
         if self.sharded is not None:  # held until its subgroup is complete, then summed into the subgroup's owner
             return self.sharded.gather_grad(slot)
+        if self.speculative is not None:  # before anything is queued for a gradient that comes too late
+            self.speculative.refuse_a_late_backward(slot.subgroup)
+        self.dev.adopt(param.grad, "grad")  # autograd made it on the device: counted there until it is freed
+        # backward read these weights and wrote this gradient (on a GPU, as queued work that copies must wait for)
+        self.dev.uses(f"backward of a {tuple(param.shape)} parameter", reads=[param.data], writes=[param.grad])
         if slot.subgroup.where != Where.CPU:  # updated on the device: the gradient stays there
             return self.device_path.take_grad(slot)
         self.grads.offload(slot)  # down the link into pinned staging (or into its bucket)

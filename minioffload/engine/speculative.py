@@ -76,15 +76,20 @@ class SpeculativeUpdate:
         for sub in packing.on_cpu():  # the second set of state: 12 B/param of pinned host memory
             sub.spare = {name: packing.dev.host_empty(sub.numel) for name in STATE}
 
-    def arrived(self, sub: Subgroup, slot) -> None:
-        """Backward hook, after the slot's gradient left: count it; speculate when the subgroup is complete."""
-        key = id(sub)
-        if key in self.speculations:
+    def refuse_a_late_backward(self, sub: Subgroup) -> None:
+        """Backward hook, before the slot's gradient leaves: a gradient for a subgroup already speculated on means
+        more backwards than declared. Refused before its copy is queued, so the worker never reads a staging buffer
+        that a new copy is filling."""
+        if id(sub) in self.speculations:
             self.discard()
             raise RuntimeError(f"a backward ran after the speculative update of its last one "
                                f"(backwards_per_step={self.backwards_per_step}): set backwards_per_step to "
                                "the micro-batches per step. The device has its old weights back and the optimizer "
                                "state is unchanged; call zero_grad() and run the step again")
+
+    def arrived(self, sub: Subgroup, slot) -> None:
+        """Backward hook, after the slot's gradient left: count it; speculate when the subgroup is complete."""
+        key = id(sub)
         landed = self._landed.setdefault(key, set())
         if id(slot) in landed:  # a new backward pass began before this subgroup completed the last one
             landed.clear()

@@ -140,6 +140,7 @@ class Activations:
             self._reuse_arena()
         source = (tensor if tensor.is_contiguous() else tensor.contiguous()).detach()  # bytes, not a graph node
         self.dev.adopt(source, f"activation {index}")  # autograd made it on the device: counted until freed
+        self.dev.uses(f"block {index}'s forward", writes=[source])
         try:
             host = self.arena.take(source.shape, source.dtype)
         except MemoryError:
@@ -162,6 +163,7 @@ class Activations:
             self._fetch(index)  # not prefetched (the last block's backward comes first): now
         self._fetch(index - 1)  # the block whose backward comes next: under this one's
         self.dev.compute_waits_for(packed.arrived)
+        self.dev.uses(f"block {index}'s backward", reads=[packed.device])
         return packed.device
 
     def _fetch(self, index: int) -> None:

@@ -227,6 +227,8 @@ class ParamStreamer:
         if block.state == "reading":
             self._land(block)
         self._compute_waits(block)
+        if block.params:
+            self.dev.uses(f"block {block.index}'s {'backward' if block.backward else 'forward'}", reads=[block.flat])
 
     def _compute_waits(self, block: _Block) -> None:
         if block.params:

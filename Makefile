@@ -14,7 +14,12 @@ export JUPYTER_PLATFORM_DIRS := 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-NBVAL := $(BIN)/python -m pytest -p no:cacheprovider --nbval --nbval-cell-timeout=600 --nbval-sanitize-with tests/nbval_sanitize.cfg
+# Tests and notebooks run on two workers (pytest-xdist), a file or notebook per worker at a time: every timing
+# verdict in them is a ratio measured side by side in one run, with a margin that holds on a busy machine
+# (tools/stress_test_suite.sh runs the whole of `make test` with a busy CPU process beside it).
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
+NBVAL := $(PYTEST) --nbval --nbval-cell-timeout=600 --nbval-sanitize-with tests/nbval_sanitize.cfg
 NOTEBOOKS := book/chapters exercises/solutions
 
 .PHONY: book book-stored test lab labs lint bench fio gpu clean
@@ -55,10 +60,10 @@ lint: $(VENV_STAMP)
 test: $(VENV_STAMP) $(VENDOR_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -p no:cacheprovider -m "not book_html" tests
+	$(PYTEST) -m "not book_html" tests
 	$(NBVAL) $(NOTEBOOKS)
 	$(MAKE) --no-print-directory book-stored
-	$(BIN)/python -m pytest -p no:cacheprovider -m book_html tests
+	$(PYTEST) -m book_html tests
 
 # The book from the notebooks' stored outputs, without executing them again: `make test` runs it right after
 # nbval has executed every chapter and checked that it reproduces those outputs. (`make book` executes.)

@@ -56,7 +56,7 @@ def machine() -> dict:
 
 def gpu_test_files() -> list[str]:
     """The test files that hold a test marked `gpu`, relative to the repository."""
-    return sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("test_*.py")
+    return sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("test_*.py")
                   if "mark.gpu" in path.read_text())
 
 

@@ -1,5 +1,5 @@
 """The graders' tests in one pattern: a right answer passes, each plausible mistake fails with the named message,
-and a stub says TODO. Each tests/test_check*.py lists its answers and mistakes and takes its tests from here:
+and a stub says TODO. Each tests/course/test_check*.py lists its answers and mistakes and takes its tests from here:
 
     REFERENCE = {"2.3": needed_waits, ...}                              # task -> a right answer
     WRONG = [("2.3", all_four_waits, "which the pipeline does not need"), ...]   # (task, mistake, phrase in its FAIL)

@@ -25,8 +25,8 @@ config under its "_minioffload" key (DeepSpeed reads no key it does not know), t
 
 What this is not: a runner. It writes configs and source text and runs none of them, imports neither DeepSpeed,
 torchao nor torch.distributed, and checks nothing against a machine (doctor.py does that for the plan itself), nor
-promises the other system the plan's speed: their schedules are not the runtime's. tests/test_export.py validates
-the DeepSpeed configs with DeepSpeed's own config classes and runs the FSDP2 code on the CPU.
+promises the other system the plan's speed: their schedules are not the runtime's. tests/planner/test_export.py
+validates the DeepSpeed configs with DeepSpeed's own config classes and runs the FSDP2 code on the CPU.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ cannot express of the plan (export.unsupported) as comments at its top.
     code = to_fsdp2_code(plan)            # apply_plan(model), make_optimizer(model), train_step(...)
     code = to_torchao_code(plan)          # the same three functions around torchao's CPUOffloadOptimizer
 
-What this is not: a runner. It writes source text and runs none of it (tests/test_export.py runs the FSDP2 code on
-the CPU); the DeepSpeed config and the sentences of what each system cannot express are planner/export.py's.
+What this is not: a runner. It writes source text and runs none of it (tests/planner/test_export.py runs the FSDP2
+code on the CPU); the DeepSpeed config and the sentences of what each system cannot express are planner/export.py's.
 """
 
 from __future__ import annotations

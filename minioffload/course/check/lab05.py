@@ -10,7 +10,7 @@ teaches, the stages overlapped, no device memory beyond the two scratch sets), n
 grader checks those properties, so that any order of calls and waits that satisfies them passes. It runs the
 learner's schedule on the simulated device with jitter, once with a slow device-side Adam and once with a slow D2H
 link. A slow stage makes each missing ordering let a copy or the update read or overwrite a scratch set at the
-wrong moment whatever the jitter, so the host state comes back wrong (tests/test_check_lab05.py checks this for
+wrong moment whatever the jitter, so the host state comes back wrong (tests/course/test_check_lab05.py checks this for
 each one); the trace of the failed run says which ordering did not hold. A run without jitter then checks that the
 pipeline overlaps at all.
 Verdicts carry counts and rates, never timings, so they are the same on every run.

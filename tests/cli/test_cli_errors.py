@@ -150,7 +150,7 @@ def test_benchmarks_refuse_bad_numbers_and_fail_in_one_message(capsys, monkeypat
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import common
 
     parse = common.positive(float)

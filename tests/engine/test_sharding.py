@@ -316,6 +316,7 @@ def test_sharded_options_are_refused_clearly():
 
 
 # the CLI under torchrun -----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_torchrun_two_ranks_train_like_one_process_accumulating(tmp_path):
     common = ["--device", "sim", "--steps", "3", "--model", "tiny", "--batch-size", "4", "--block-size", "32",
               "--no-progress", "--eval-every", "3"]

@@ -22,7 +22,7 @@ import pytest
 
 from minioffload.predict.memory import footprint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HTML = Path(os.environ.get("MINIOFFLOAD_BOOK_HTML", ROOT / "book" / "_build" / "html"))
 CHROMIUM = "/usr/bin/chromium"
 

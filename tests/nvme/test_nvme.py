@@ -15,7 +15,7 @@ import torch
 from minioffload.nvme.swapper import SwapIOError, Swapper
 from minioffload.pinned import aligned_empty
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def buffer(numel, dtype=torch.float32):

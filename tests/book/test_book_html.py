@@ -10,7 +10,7 @@ from bs4 import BeautifulSoup
 
 pytestmark = pytest.mark.book_html
 
-HTML = Path(__file__).resolve().parents[1] / "book" / "_build" / "html"
+HTML = Path(__file__).resolve().parents[2] / "book" / "_build" / "html"
 PAGES = sorted(HTML.rglob("*.html")) if HTML.exists() else []
 EXTERNAL = ("http://", "https://", "//")
 

@@ -111,6 +111,7 @@ def test_every_plan_fits_by_the_calculator(spec, hardware, limits):
         assert p.step_s > 0 and p.bound
 
 
+@pytest.mark.slow
 def test_streaming_and_the_nvme_tier_appear_only_when_needed():
     hw = profiles.preset("h100-sxm")
     small = plan.search(ModelSpec.of_params(1.3e9), hw, plan.Limits(batch=8))[0]

@@ -1,6 +1,6 @@
 """The in-page explorers (minioffload.course.explore): their data agree with memory, plan and the trace; bad
 arguments say what to change; what goes into a page names no network URL. No browser here: see
-test_book_explorers.py for the charts moving in Chromium."""
+tests/book/test_book_explorers.py for the charts moving in Chromium."""
 
 from __future__ import annotations
 

@@ -269,7 +269,7 @@ def test_a_checkpoint_loaded_in_a_new_process_continues_bit_for_bit(tmp_path):
 
     straight, checkpoint = straight_and_first()
     torch.save(checkpoint, tmp_path / "ckpt.pt")
-    script = RESUME.format(tests=str(Path(__file__).parent), path=str(tmp_path / "ckpt.pt"),
+    script = RESUME.format(tests=str(Path(__file__).parents[1]), path=str(tmp_path / "ckpt.pt"),
                            out=str(tmp_path / "resumed.pt"))
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)
     resumed = torch.load(tmp_path / "resumed.pt")

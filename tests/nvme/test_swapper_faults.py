@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from minioffload.nvme.swapper import INDEX, SwapIOError, Swapper
 from minioffload.pinned import aligned_empty
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tensor(n: int, value: float) -> torch.Tensor:

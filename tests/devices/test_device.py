@@ -203,7 +203,7 @@ def _correct(waits, trials=20, jitter=2e-3):
 
 def test_jitter_never_fails_the_correct_pipeline():
     """Jitter reorders nothing that is ordered. (A missing wait is caught in every run by the strict sim:
-    test_hazards.py; under jitter alone it shows up only in some runs, so no test counts on that.)"""
+    tests/devices/test_hazards.py; under jitter alone it shows up only in some runs, so no test counts on that.)"""
     assert _correct(pipeline.WAITS) == 20
 
 

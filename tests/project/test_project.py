@@ -9,7 +9,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _normalise(spec: str) -> str:

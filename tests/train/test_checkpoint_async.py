@@ -171,10 +171,11 @@ KILLED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_run_killed_while_a_checkpoint_is_in_flight_resumes_bit_for_bit(tmp_path):
     script = tmp_path / "run.py"
-    script.write_text(KILLED.format(tests=str(Path(__file__).parent)))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    script.write_text(KILLED.format(tests=str(Path(__file__).parents[1])))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     steps = 12
     straight = tmp_path / "straight"
     straight.mkdir()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_check  # noqa: E402
@@ -18,9 +18,9 @@ import gpu_check  # noqa: E402
 
 def test_only_files_with_gpu_tests_are_collected():
     files = gpu_check.gpu_test_files()
-    assert "tests/test_device.py" in files and "tests/test_hybrid.py" in files
+    assert "tests/devices/test_device.py" in files and "tests/engine/test_hybrid.py" in files
     # these import packages a GPU machine's image lacks (nbformat, bs4): never collected there
-    assert "tests/test_labs.py" not in files and "tests/test_book_html.py" not in files
+    assert "tests/course/test_labs.py" not in files and "tests/book/test_book_html.py" not in files
 
 
 def test_the_plan_fits_the_budget_and_runs_only_gpu_benchmarks():
@@ -35,6 +35,7 @@ def test_the_plan_fits_the_budget_and_runs_only_gpu_benchmarks():
     assert sharded[sharded.index("--device") + 1] == "cuda"
 
 
+@pytest.mark.slow
 def test_a_dry_run_writes_two_files_and_decodes_a_timeout(tmp_path):
     out, no_wheels = tmp_path / "out", tmp_path / "no_wheels"
     no_wheels.mkdir()

@@ -82,7 +82,7 @@ def test_bad_config_is_refused_naming_the_field(field, value):
 
 
 def test_the_optimizer_options_are_checked_by_their_own_rules():
-    # the engine's options are OffloadOptions (tests/test_options.py checks every rule); TrainConfig adds two
+    # the engine's options are OffloadOptions (tests/vocabulary/test_options.py checks every rule); TrainConfig adds two
     with pytest.raises(ValueError, match="delay_updates_after is an option of the offloaded optimizer .OffloadAdam., "
                                          "and optimizer_on='device' .train: offload=False."):
         TrainConfig(offload=False, optimizer=OffloadOptions(delay_updates_after=0))

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
 SHOTS = ROOT / ".cache" / "browser"
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 if not Path(CHROMIUM).exists():
     if os.environ.get("MINIOFFLOAD_REQUIRE_BROWSER") == "1":

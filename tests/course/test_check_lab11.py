@@ -16,7 +16,7 @@ import minioffload.course.check.lab11  # noqa: F401  (registers Tasks 11.1 to 11
 from minioffload.course import check
 from minioffload.course.check import lab11, lab11_latest, lab11_paths
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Task 11.1 -------------------------------------------------------------------------------------
 

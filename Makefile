@@ -59,7 +59,6 @@ lint: $(VENV_STAMP)
 
 test: $(VENV_STAMP) $(VENDOR_STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/lint-imports
 	$(PYTEST) -m "not book_html" tests
 	$(NBVAL) $(NOTEBOOKS)
 	$(MAKE) --no-print-directory book-stored

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -286,12 +285,10 @@ def test_more_ranks_than_subgroups_is_refused_on_every_rank():
 
 
 def test_a_rank_that_dies_becomes_an_error_not_a_hang():
-    start = time.perf_counter()
     alive, dead = run_ranks(one_rank_dies, 2, timeout_s=10, expect_errors=True)
     assert dead["error"] == "rank 1 exited without a result"
     assert alive["error"].startswith("RuntimeError: rank 0 of 2: the reduce of subgroup") and \
-        "Another rank died" in alive["error"], alive
-    assert time.perf_counter() - start < 60  # within the 10 s timeout (and the processes' start), not a hang
+        "Another rank died" in alive["error"], alive  # its collective timed out (10 s): an error, not a hang
 
 
 def test_sharded_options_are_refused_clearly():

@@ -7,7 +7,7 @@
 #   tools/stress_test_suite.sh --runs 3     # three fresh clones, one after the other
 #   tools/stress_test_suite.sh --quiet      # no busy process: the figure to hold against the 12-minute target
 #
-# Each clone lives under ${STRESS_DIR:-/tmp/minioffload-stress}/run-N, with its log in run-N.log; the clones reuse
+# Each clone lives under ${STRESS_DIR:-/tmp/suite-under-load}/run-N, with its log in run-N.log; the clones reuse
 # pip's and npm's caches, so the install step costs a minute or two, and it is timed apart from `make test`.
 set -euo pipefail
 
@@ -23,7 +23,7 @@ while [ $# -gt 0 ]; do
 done
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
-base="${STRESS_DIR:-/tmp/minioffload-stress}"
+base="${STRESS_DIR:-/tmp/suite-under-load}"
 mkdir -p "$base"
 commit="$(git -C "$repo" rev-parse --short HEAD)"
 [ -z "$(git -C "$repo" status --porcelain --untracked-files=no)" ] || \

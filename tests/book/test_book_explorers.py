@@ -78,7 +78,8 @@ def open_page(browser, relative: str):
 
     page.route("**/*", only_the_book)
     def ours(text: str, where: str) -> None:
-        if any(mark in f"{text} {where}" for mark in OURS):
+        inside = where.replace(root, "")  # the build folder's own path may hold a mark (a clone in /tmp/minioffload-x)
+        if any(mark in f"{text} {inside}" for mark in OURS):
             errors.append(f"{text} ({where})")
 
     page.on("console", lambda m: ours(m.text, m.location.get("url", "")) if m.type == "error" else None)

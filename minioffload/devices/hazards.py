@@ -154,19 +154,14 @@ class Checker:
             clock = merge(self.host, {COMPUTE: self.compute})
             new = [(t, False) for t in reads] + [(t, True) for t in writes]
             for tensor, writes_it in new:
-                lo, hi = _span(tensor)
-                if lo == hi:
-                    continue
-                for old in self._accesses:
-                    if old.agent == COMPUTE or old.hi <= lo or hi <= old.lo or not (writes_it or old.writes):
-                        continue
-                    if not ordered_before(old.stamp, clock):
-                        raise HazardError(
-                            f"{what} {'writes' if writes_it else 'reads'} {self._describe(tensor)}, which "
-                            f"{old.what} on stream {old.agent!r} may still {'write' if old.writes else 'read'}: "
-                            f"nothing orders that work before this. Record an event on {old.agent!r} after it "
-                            f"and wait for it first (dev.compute_waits_for(event), or event.synchronize() on "
-                            f"the host)")
+                old = self._unordered(tensor, writes_it, clock, COMPUTE)
+                if old is not None:
+                    raise HazardError(
+                        f"{what} {'writes' if writes_it else 'reads'} {self._describe(tensor)}, which "
+                        f"{old.what} on stream {old.agent!r} may still {'write' if old.writes else 'read'}: "
+                        f"nothing orders that work before this. Record an event on {old.agent!r} after it "
+                        f"and wait for it first (dev.compute_waits_for(event), or event.synchronize() on "
+                        f"the host)")
             for tensor, writes_it in new:
                 lo, hi = _span(tensor)
                 if lo < hi and on_device(tensor):
@@ -179,27 +174,34 @@ class Checker:
         with self._lock:
             self._accesses = [a for a in self._accesses if not (a.agent == COMPUTE and a.storage == storage)]
 
+    def _unordered(self, tensor: torch.Tensor, writes_it: bool, clock: dict, agent: str) -> _Access | None:
+        """An earlier access by another agent that overlaps `tensor`, conflicts (one of the two writes) and is not
+        ordered before `clock`; None if there is none. Called with the lock held."""
+        lo, hi = _span(tensor)
+        if lo == hi:
+            return None
+        for old in self._accesses:
+            if old.agent != agent and old.lo < hi and lo < old.hi and (writes_it or old.writes) \
+                    and not ordered_before(old.stamp, clock):
+                return old
+        return None
+
     def access(self, stream, clock: dict, reads: list[torch.Tensor], writes: list[torch.Tensor], op: str) -> None:
         """Check an op's reads and writes against earlier unordered ones; raise HazardError, or remember them."""
         stamp = {stream._agent: clock[stream._agent]}
         new = [(t, False) for t in reads] + [(t, True) for t in writes]
         with self._lock:
             for tensor, writes_it in new:
-                lo, hi = _span(tensor)
-                if lo == hi:
-                    continue
-                for old in self._accesses:
-                    if old.agent == stream._agent or old.hi <= lo or hi <= old.lo or not (writes_it or old.writes):
-                        continue
-                    if not ordered_before(old.stamp, clock):
-                        raise HazardError(
-                            f"{op} on stream {stream.name!r} {'writes' if writes_it else 'reads'} "
-                            f"{self._describe(tensor)}, which {old.what} on stream {old.agent!r} may still "
-                            f"{'write' if old.writes else 'read'}: nothing orders that work before this. "
-                            + (f"Call dev.stream_waits_for_compute({stream.name!r} stream) before issuing this"
-                               if old.agent == COMPUTE else
-                               f"Record an event on {old.agent!r} after it and call stream.wait(event) on "
-                               f"{stream.name!r} (or wait for it on the host) before issuing this"))
+                old = self._unordered(tensor, writes_it, clock, stream._agent)
+                if old is not None:
+                    raise HazardError(
+                        f"{op} on stream {stream.name!r} {'writes' if writes_it else 'reads'} "
+                        f"{self._describe(tensor)}, which {old.what} on stream {old.agent!r} may still "
+                        f"{'write' if old.writes else 'read'}: nothing orders that work before this. "
+                        + (f"Call dev.stream_waits_for_compute({stream.name!r} stream) before issuing this"
+                           if old.agent == COMPUTE else
+                           f"Record an event on {old.agent!r} after it and call stream.wait(event) on "
+                           f"{stream.name!r} (or wait for it on the host) before issuing this"))
             for tensor, writes_it in new:
                 lo, hi = _span(tensor)
                 if lo < hi:

@@ -185,7 +185,7 @@ def published_setups() -> list[Verdict]:
             "ZeRO-Infinity offloads gradients to NVMe and activation checkpoints to host memory",
             "DGX-2 NVMe rates are estimates", *COMMON], precision="mixed_fp16", gpus=16),
         check("Fuyou 175B on one RTX 4090 with 256 GB of host memory", 175e9, rtx, [
-            "host memory 256 GB, as the result is usually quoted (Fuyou's paper may use more: not checked); the rest "
+            "host memory 256 GB, as the result is usually quoted (Fuyou's paper may use a larger host); the rest "
             "is our rtx4090 workstation preset",
             "one NVMe drive (a Samsung 990 PRO); Fuyou spreads its I/O over several SSDs",
             "Fuyou overlaps its out-of-core CPU Adam with backward and swaps activations to SSD; we update after "

@@ -1,7 +1,9 @@
 """How long a checkpoint holds the training loop: a blocking torch.save, torch.distributed.checkpoint's async_save,
 and the lazy asynchronous checkpoint (train/checkpoint_async.py), each taken after every step of the same run.
 
-A GPT trains with OffloadAdam on the simulated device (host tier). In each measured round every contender runs
+A GPT trains with OffloadAdam (host tier) on the simulated device, or with `--device cuda` on this machine's GPU (its
+batches go up from pinned buffers, as the training loop's do; the device tensors a checkpoint holds are snapshotted on
+a side stream; --quick there trains the small preset, not the medium one). In each measured round every contender runs
 STEPS consecutive steps (forward, backward, step), checkpointing its whole state after each, and then waits for its
 last checkpoint; so a checkpoint's writer overlaps its own run's next step, not another contender's. "Blocked" is
 the time the loop spent in the checkpoint's calls and waits (the final wait included), per checkpoint:
@@ -12,12 +14,12 @@ the time the loop spent in the checkpoint's calls and waits (the final wait incl
                           it has not finished reading (its `blocked_s`)
 Interleaved rounds, medians; `--runs 3` repeats the whole run and takes each figure's median over the runs.
 
-Headline (bench/results/checkpoint.json):
+Headline (bench/results/checkpoint.json; checkpoint_cuda.json with --device cuda):
     checkpoint_blocking_fraction   ours blocked / blocking torch.save blocked, per checkpoint (target <= 0.1)
     dcp_async_blocking_fraction    the same for DCP's async_save
     checkpoint_seconds             how long our writer took from save() to the manifest, beside the step it hides under
 
-    python bench/checkpoint.py [--quick] [--runs 3]
+    python bench/checkpoint.py [--quick] [--runs 3] [--device sim|cuda]
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from minioffload.devices import device  # noqa: E402
 from minioffload.engine.optimizer import OffloadAdam  # noqa: E402
 from minioffload.model import gpt as models  # noqa: E402
 from minioffload.nvme.swapper import fsync_path  # noqa: E402
+from minioffload.train.batches import BatchUploads  # noqa: E402
 from minioffload.train.checkpoint_async import AsyncCheckpointer  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, no group: as intended
@@ -50,14 +53,15 @@ KINDS = ("no checkpoint", "blocking torch.save", "DCP async_save", "async (ours)
 STEPS = 4  # consecutive steps per round, each followed by a checkpoint
 
 
-def make_run(kind: str, preset: str, batch_size: int, block_size: int, scratch: Path):
+def make_run(kind: str, preset: str, batch_size: int, block_size: int, scratch: Path, device_kind: str = "sim"):
     """STEPS training steps each followed by a checkpoint of `kind`, as a function (for `interleaved`); a function
     that closes it all; our checkpointer (None for the others)."""
     text = models.load_text()
     tokenizer = models.CharTokenizer(text)
     data = torch.tensor(tokenizer.encode(text))
     torch.manual_seed(0)
-    dev = device("sim")
+    dev = device(device_kind)
+    uploads = BatchUploads(dev, 1)  # the sim: the batch as drawn; a GPU: up from a pinned buffer, not blocking
     model = dev.place(models.GPT(models.GPTConfig.preset(preset, tokenizer.vocab_size, block_size=block_size)))
     opt = OffloadAdam(model.parameters(), dev, lr=1e-3)
     generator = torch.Generator().manual_seed(0)
@@ -89,7 +93,8 @@ def make_run(kind: str, preset: str, batch_size: int, block_size: int, scratch: 
         blocked_before, blocked, fwd_bwd, update = ckpt.blocked_s if ckpt else 0.0, 0.0, [], []
         start = time.perf_counter()
         for _ in range(STEPS):
-            x, y = models.batches(data, block_size, batch_size, generator)
+            uploads.send([models.batches(data, block_size, batch_size, generator)])
+            x, y = uploads.get(0)
             began = time.perf_counter()
             _, loss = model(x, y)
             loss.backward()
@@ -123,13 +128,14 @@ def make_run(kind: str, preset: str, batch_size: int, block_size: int, scratch: 
     return one_round, finish, ckpt
 
 
-def one_run(rounds: int, preset: str, batch_size: int, block_size: int) -> tuple[list[dict], dict]:
+def one_run(rounds: int, preset: str, batch_size: int, block_size: int, device_kind: str = "sim"
+            ) -> tuple[list[dict], dict]:
     scratch_root = Path(__file__).resolve().parents[1] / ".cache"
     scratch_root.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=scratch_root) as scratch:
         runs, finishes, ours = {}, [], None
         for kind in KINDS:
-            runs[kind], finish, ckpt = make_run(kind, preset, batch_size, block_size, Path(scratch))
+            runs[kind], finish, ckpt = make_run(kind, preset, batch_size, block_size, Path(scratch), device_kind)
             finishes.append(finish)
             ours = ckpt or ours
         results = interleaved(runs, rounds, warmup=2)
@@ -152,13 +158,20 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="one run of 3 rounds (under a minute)")
     parser.add_argument("--runs", type=common.positive(int), default=1,
                         help="independent runs; each headline figure is its median over the runs")
+    parser.add_argument("--device", choices=("sim", "cuda"), default="sim",
+                        help="the simulated GPU, or this machine's CUDA GPU (results in checkpoint_cuda.json)")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU and a CUDA build of torch (this torch sees none): use --device "
+                     "sim")
     rounds, count = (3, 1) if args.quick else (7, args.runs)
     preset, batch_size, block_size = "medium", 8, 128
-    runs = [one_run(rounds, preset, batch_size, block_size) for _ in range(count)]
+    if args.device == "cuda" and args.quick:  # on a GPU server the checkpoints' writes dominate: a smaller state
+        preset = "small"
+    runs = [one_run(rounds, preset, batch_size, block_size, args.device) for _ in range(count)]
     key = "checkpoint_blocking_fraction"
     rows, _ = sorted(runs, key=lambda run: run[1][key])[len(runs) // 2]
-    print(f"checkpoints of a {preset} GPT's whole state after every step (sim device, host tier), {rounds} "
+    print(f"checkpoints of a {preset} GPT's whole state after every step ({args.device} device, host tier), {rounds} "
           f"interleaved rounds per run, {count} run(s); the median run's rows:")
     print(f"{'checkpoint':<22}{'step ms':>9}{'blocked ms':>12}{'fwd+bwd ms':>12}{'update ms':>11}")
     for row in rows:
@@ -172,7 +185,10 @@ def main() -> int:
     print("headline:", ", ".join(f"{k}={v:.4f}" for k, v in headline.items() if isinstance(v, float)))
     config = {"preset": preset, "batch_size": batch_size, "block_size": block_size, "rounds": rounds,
               "quick": args.quick}
-    print(f"wrote {write('checkpoint', rows, headline, config)}")
+    if args.device == "cuda":  # the sim's file keeps its keys as they were
+        config["device"] = "cuda"
+    name = "checkpoint" if args.device == "sim" else "checkpoint_cuda"
+    print(f"wrote {write(name, rows, headline, config)}")
     return 0
 
 

@@ -1,9 +1,14 @@
-"""Everything that needs a GPU, in one go, within 7.5 minutes: the `gpu` tests, `doctor` on the machine (CUDA seen,
+"""Everything that needs a GPU, in one go, within 7 minutes: the `gpu` tests (a CUDA test for every feature of
+chapters 2-11, with the GPU kept busy so it lags the host as in training), `doctor` on the machine (CUDA seen,
 locked-memory limit, host memory), a sharded run (`train --shard` under torchrun, NCCL, one rank per GPU) and the
 GPU benchmarks in --quick mode.
 
     python bench/gpu_check.py            # on a CUDA machine; writes $OUT (or bench/results/gpu/)
-    python bench/gpu_check.py --dry-run  # on a CPU machine: what it would run, the files, the budget
+    python bench/gpu_check.py --dry-run  # on a CPU machine: what it would run, what covers each chapter, the budget
+
+The plan is refused before anything runs if its steps' time limits add up to more than the budget, or if a chapter's
+feature has no CUDA test or run (FEATURES). On a GPU, pytest's "no tests collected" is a failure (the tests were
+meant to run), and the tests run with a faulthandler timeout, so a deadlock prints every thread's stack.
 
 It runs from a plain copy of the repository with the machine's own python (torch, CuPy, Numba, xxhash, pytest and
 hypothesis present; the project need not be installed: PYTHONPATH points here). It writes exactly two files:
@@ -33,14 +38,39 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGET_S = 450  # 7.5 minutes: under the 8 a session may spend, with room to read the results
-TEST_LIMIT_S = 90
-DOCTOR_LIMIT_S = 30
-SHARD_LIMIT_S = 60
-TORCHAO_LIMIT_S = 30  # probe the machine's python, install the wheel, probe again: all three together
+BUDGET_S = 420  # 7 minutes, with room in a session's 15 to start the machine and read the results
+TEST_LIMIT_S = 150
+FAULTHANDLER_S = 60  # a test stuck this long prints every thread's stack (a deadlock names itself)
+DOCTOR_LIMIT_S = 15
+SHARD_LIMIT_S = 45
+TORCHAO_LIMIT_S = 20  # probe the machine's python, install the wheel, probe again: all three together
 WHEEL_DIR = ROOT / "bench" / "wheels"
 # benchmark -> time limit (s): the GPU ones, in --quick sizes that fit a 16-core, 128 GB machine
-BENCHES = {"copy_bandwidth": 40, "offload_step": 105, "hybrid": 90}
+BENCHES = {"copy_bandwidth": 25, "offload_step": 60, "hybrid": 35, "streaming": 25, "activations": 25,
+           "checkpoint": 20}
+TAKES_DEVICE = {"offload_step", "hybrid", "streaming", "activations", "checkpoint"}  # `--device cuda` is passed
+# chapter -> what of it runs on the GPU -> the test (file::name prefix) or step that runs it there
+FEATURES = {
+    2: {"copies, streams and events": "tests/devices/test_device.py::test_",
+        "copy bandwidth, pinned and pageable": "copy_bandwidth"},
+    3: {"the CPU Adam inside an offloaded step": "offload_step"},
+    4: {"speculative update and gradient buckets, GPU lagging":
+        "tests/engine/test_offload_speculative.py::test_on_cuda_every_variant_trains_like_the_synchronous_step",
+        "train end to end with the offloaded optimizer": "tests/train/test_train_cuda.py::test_on_cuda_train_"},
+    5: {"hybrid split, stride and fraction": "tests/engine/test_hybrid.py::test_on_cuda_every_split",
+        "the CuPy Adam kernel": "tests/engine/test_hybrid.py::test_the_cupy_kernel_matches_torch_fused_adamw"},
+    6: {"the optimizer's state on NVMe": "tests/train/test_train_cuda.py::test_on_cuda_train_"},
+    7: {"every activation policy, dropout, a pool, GPU lagging":
+        "tests/model/test_activations.py::test_on_cuda_every_policy_trains_like_keep",
+        "activation policies timed": "activations"},
+    8: {"streamed weights from host and NVMe homes, GPU lagging":
+        "tests/model/test_streaming.py::test_on_cuda_streaming_trains_like_resident_weights",
+        "streaming timed": "streaming"},
+    9: {"the machine probed (CUDA, pinned memory limit)": "doctor"},
+    10: {"sharded offload over NCCL": "sharded train (NCCL)"},
+    11: {"async checkpoint and DCP save/resume": "tests/train/test_checkpoint_async.py::test_on_cuda_",
+         "checkpoints timed": "checkpoint"},
+}
 
 
 def machine() -> dict:
@@ -172,9 +202,9 @@ def run_step(name: str, argv: list[str], limit_s: float, extra_path: str | None 
 
 
 def plan(cuda: bool) -> list[tuple[str, list[str], float]]:
-    steps = [("gpu tests", [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "gpu", "-q",
-                            *gpu_test_files()], TEST_LIMIT_S),
-             ("doctor", [sys.executable, "-m", "minioffload", "doctor", "--no-measure"], DOCTOR_LIMIT_S)]
+    """The steps, in order: correctness first (tests, the sharded run), then the machine, then the benchmarks."""
+    steps = [("gpu tests", [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "gpu", "-q", "-rfEs",
+                            "-o", f"faulthandler_timeout={FAULTHANDLER_S}", *gpu_test_files()], TEST_LIMIT_S)]
     if cuda:
         import torch
         ranks = str(max(1, torch.cuda.device_count()))
@@ -182,9 +212,40 @@ def plan(cuda: bool) -> list[tuple[str, list[str], float]]:
                                                "-m", "minioffload", "train", "--shard", "--device", "cuda", "--model",
                                                "small", "--steps", "5", "--eval-every", "5", "--no-progress",
                                                "--out-dir", tempfile.mkdtemp()], SHARD_LIMIT_S))
-        steps += [(name, [sys.executable, str(ROOT / "bench" / f"{name}.py"), "--quick"], limit)
+    steps.append(("doctor", [sys.executable, "-m", "minioffload", "doctor", "--no-measure"], DOCTOR_LIMIT_S))
+    if cuda:
+        steps += [(name, [sys.executable, str(ROOT / "bench" / f"{name}.py"), "--quick",
+                          *(["--device", "cuda"] if name in TAKES_DEVICE else [])], limit)
                   for name, limit in BENCHES.items()]
     return steps
+
+
+def budget_s() -> float:
+    """What the plan on a GPU may take at most: every step's limit and torchao's setup."""
+    return TEST_LIMIT_S + SHARD_LIMIT_S + DOCTOR_LIMIT_S + TORCHAO_LIMIT_S + sum(BENCHES.values())
+
+
+def collected_gpu_tests() -> list[str]:
+    """The node ids of the `gpu` tests (collected, not run: on a CPU machine they would skip)."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "gpu", "-q",
+                             "--collect-only", *gpu_test_files()], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": _python_path(str(ROOT))}, timeout=120)
+    return [line.strip() for line in result.stdout.splitlines() if "::" in line]
+
+
+def coverage(tests: list[str]) -> dict[int, dict[str, str | None]]:
+    """chapter -> feature -> what runs it on the GPU (a test id or a step), or None where nothing does."""
+    steps = {"doctor", "sharded train (NCCL)", *BENCHES}
+    return {chapter: {feature: (target if target in steps else next((t for t in tests if t.startswith(target)), None))
+                      for feature, target in features.items()}
+            for chapter, features in FEATURES.items()}
+
+
+def step_failed(row: dict, cuda: bool) -> bool:
+    """pytest's 5 ("no tests collected") fails on a GPU, where the tests were meant to run; skipped steps do not."""
+    if str(row["exit"]).startswith("skipped"):
+        return False
+    return row["exit"] != 0 and not (row["exit"] == 5 and not cuda)
 
 
 def main() -> int:
@@ -201,12 +262,19 @@ def main() -> int:
         print("no CUDA GPU visible: run with --dry-run to check the plan on this machine")
         return 2
     steps = plan(info["cuda_available"])
-    budget = (sum(limit for _, _, limit in steps) + TORCHAO_LIMIT_S
-              + (0 if info["cuda_available"] else sum(BENCHES.values())))
-    print(f"{len(steps)} step(s); time limits add up to {budget} s (budget {BUDGET_S} s); "
+    budget = budget_s()
+    print(f"{len(steps)} step(s) here; on a GPU the time limits add up to {budget:.0f} s (budget {BUDGET_S} s); "
           f"test files: {', '.join(gpu_test_files())}")
     if budget > BUDGET_S:
         print(f"the steps' limits exceed the {BUDGET_S} s budget: lower them")
+        return 2
+    covered = coverage(collected_gpu_tests())
+    for chapter, features in covered.items():
+        for feature, target in features.items():
+            print(f"  chapter {chapter:>2}  {feature:<58} {target or 'NOTHING RUNS IT ON A GPU'}")
+    missing = [f"chapter {c}: {f}" for c, features in covered.items() for f, t in features.items() if t is None]
+    if missing:
+        print(f"no CUDA test or run for {'; '.join(missing)}: add one (marked gpu) or fix FEATURES")
         return 2
     started_wall = time.time()
     torchao_dir = tempfile.mkdtemp(prefix="gpu_check_torchao_")
@@ -233,9 +301,9 @@ def main() -> int:
         log.append(f"===== {row['step']}: exit {row['exit']}, {row['seconds']} s\n{output[-keep:]}\n")
     (out / "gpu_check.log").write_text("".join(log))
     (out / "gpu_check.json").write_text(json.dumps({"machine": info, "torchao": torchao, "steps": rows,
-                                                       "results": results}, indent=2))
+                                                       "coverage": covered, "results": results}, indent=2))
     files = sorted(p.name for p in out.iterdir())
-    failed = [r["step"] for r in rows if r["exit"] not in (0, 5) and not str(r["exit"]).startswith("skipped")]
+    failed = [r["step"] for r in rows if step_failed(r, info["cuda_available"])]
     print(f"wrote {out}: {len(files)} file(s) ({', '.join(files)}); "
           f"{sum(r['seconds'] for r in rows):.0f} s; failed: {', '.join(failed) or 'none'}")
     return 1 if failed else 0

@@ -6,8 +6,11 @@ runs on a copy stream while the host goes on. Why aligned: O_DIRECT file I/O (ch
 buffers aligned to the disk's block size; one page (4096 bytes) serves both.
 
 Pinning costs: page-locked memory cannot be swapped and is slow to allocate, so the pool allocates
-once, up front, and reuses. On a machine without CUDA, buffers are aligned but not page-locked; the
-simulated device treats them as pinned (see `is_pinned`).
+once, up front, and reuses. With CUDA, a pinned buffer is our own NumPy memory, page-locked with
+`cudaHostRegister` for exactly its size and unlocked (`cudaHostUnregister`) and freed when its last tensor
+dies; torch's pinned allocator (`pin_memory=True`) would round each request up to a power of two and keep
+the memory cached for the rest of the process. On a machine without CUDA, buffers are aligned but not
+page-locked; the simulated device treats them as pinned (see `is_pinned`).
 
 What this is not: a general allocator. Slots have one size; ask for more and you get a clear error.
 """
@@ -15,6 +18,7 @@ What this is not: a general allocator. Slots have one size; ask for more and you
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -34,45 +38,71 @@ def _cuda() -> bool:
 
 
 def aligned_empty(nbytes: int, alignment: int = ALIGNMENT, pin: bool = True) -> torch.Tensor:
-    """A (nbytes,) uint8 host tensor whose address is a multiple of `alignment`.
+    """A (nbytes,) uint8 host tensor whose address is a multiple of `alignment`, carved from a slightly larger
+    NumPy allocation.
 
-    With CUDA and pin=True the memory is page-locked (torch's pinned allocator returns page-aligned
-    memory; we check). Otherwise it is carved from a slightly larger NumPy allocation.
+    pin=True: with CUDA the memory is page-locked (`cudaHostRegister` of exactly `nbytes`), and unlocked when the
+    last view of it dies, just before NumPy frees it; without CUDA it is only recorded as pinned (`is_pinned`).
     """
     if nbytes <= 0:
         raise ValueError(f"nbytes must be positive, got {nbytes}")
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, got {alignment}")
-    if pin and _cuda():
-        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        if buffer.data_ptr() % alignment == 0:
-            return buffer
     raw = np.empty(nbytes + alignment, dtype=np.uint8)
     offset = (-raw.ctypes.data) % alignment
     buffer = torch.from_numpy(raw[offset:offset + nbytes])  # keeps `raw` alive through the view
     if pin:
         buffer.zero_()  # page-locked memory is resident: touch every page now, not during a timed copy
+        address, locked = buffer.data_ptr(), _cuda()
+        if locked:
+            _page_lock(address, nbytes)
         with _registry_lock:
-            _registered[buffer.data_ptr()] = nbytes
-        # unregister when the last view of the memory dies; not at interpreter exit
-        weakref.finalize(raw, _unregister, buffer.data_ptr()).atexit = False
+            _registered[address] = nbytes
+        # unregister (and unlock) when the last view of the memory dies, before NumPy frees it (an array's weakref
+        # callbacks run before its memory goes); not at interpreter exit, when the CUDA runtime may be gone
+        weakref.finalize(raw, _unregister, address, locked).atexit = False
     return buffer
 
 
-def _unregister(address: int) -> None:
+def _page_lock(address: int, nbytes: int) -> None:
+    code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0))  # 0: cudaHostRegisterDefault
+    if code != 0:
+        with _registry_lock:
+            held = sum(_registered.values())
+        raise RuntimeError(f"could not page-lock {nbytes} bytes of host memory (cudaHostRegister: {_error_name(code)}) "
+                           f"with {held} bytes already pinned here: check the locked-memory limit (`ulimit -l`; "
+                           "`minioffload doctor` reports it) and free host memory, or pin less (smaller pools, "
+                           "pinned=False for buffers that need not be pinned)")
+
+
+def _error_name(code: int) -> str:
+    try:
+        cudart = torch.cuda.cudart()
+        return f"{cudart.cudaGetErrorString(cudart.cudaError(code))} ({code})"
+    except Exception:  # a runtime without the names: the number still identifies it
+        return f"cudaError {code}"
+
+
+def _unregister(address: int, locked: bool) -> None:
     with _registry_lock:
         _registered.pop(address, None)
+    if locked:
+        code = int(torch.cuda.cudart().cudaHostUnregister(address))
+        if code != 0:  # a finalizer cannot raise to anyone: say it, the memory stays locked until the process ends
+            warnings.warn(f"cudaHostUnregister of a pinned buffer at {address:#x} failed ({_error_name(code)}): its "
+                          "memory stays page-locked", RuntimeWarning, stacklevel=1)
 
 
 def is_pinned(tensor: torch.Tensor) -> bool:
-    """True for page-locked CUDA host memory, or (without CUDA) memory handed out by this module as pinned."""
+    """True for host memory this module handed out as pinned (page-locked with CUDA), or other page-locked CUDA host
+    memory (torch's `pin_memory`)."""
     if tensor.device.type != "cpu":
         return False
-    if _cuda():
-        return tensor.is_pinned()
     address = tensor.data_ptr()
     with _registry_lock:
-        return any(start <= address < start + length for start, length in _registered.copy().items())
+        if any(start <= address < start + length for start, length in _registered.copy().items()):
+            return True
+    return _cuda() and tensor.is_pinned()
 
 
 class PoolExhausted(RuntimeError):

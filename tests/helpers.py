@@ -95,3 +95,9 @@ def assert_resumes_bit_for_bit(make):
             opt.zero_grad()
         dev.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters(), strict=True))
+
+
+def keep_gpu_busy(cycles: int = 20_000_000) -> None:
+    """Queue a spin on the GPU's current stream (about 10-20 ms): the work the host issues next runs that much later,
+    so the host runs ahead of the GPU as it does in real training, and a missing wait reads or writes too early."""
+    torch.cuda._sleep(cycles)

@@ -45,7 +45,7 @@ def device(kind: str = "auto", **options):
             raise RuntimeError("device('cuda') needs a CUDA GPU and a CUDA build of torch; use device('sim') "
                                "to run on the CPU")
         sim_only = {"memory_bytes", "h2d", "d2h", "jitter", "seed", "pageable_slowdown", "switch_interval",
-                    "adam_rate", "strict"}
+                    "adam_rate", "strict", "lags"}
         if sim_only & options.keys():
             warnings.warn(f"options {sorted(sim_only & options.keys())} only apply to the sim device; ignored",
                           stacklevel=2)

@@ -2,7 +2,14 @@
 
 Same interface as `SimDevice`, so chapters and the runtime run unchanged on a GPU. Each op records a
 start and an end CUDA event on its stream; `synchronize()` turns them into spans in `trace`, placed
-on the host clock through a reference event recorded when the device was made.
+on the host clock through a reference event recorded when the device was made (and, past a few thousand
+spans, the completed ones are folded in without a synchronize, so the list stays bounded).
+
+Events from `dev.event()` order work and record no time: a host wait on one sleeps (a blocking event)
+instead of spinning a core beside the CPU Adam's threads; `dev.event(timing=True)` makes one `elapsed_ms`
+can read. Pinned host buffers are the project's own page-locked memory (`pinned.aligned_empty`), not torch's
+caching host allocator, so nothing holds them once they are dropped: a copy keeps its host tensor alive
+until the copy has run.
 
 What this is not: a wrapper of all of CUDA. Copies are `Tensor.copy_(non_blocking=True)`; work is
 whatever torch calls the launched function makes on the current stream.
@@ -10,19 +17,29 @@ whatever torch calls the launched function makes on the current stream.
 
 from __future__ import annotations
 
+import math
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
 
 from ..ledger import OutOfMemoryError
+from ..pinned import aligned_empty
 from ..trace import Trace
 from .common import DeviceMemory, check_copy, lane_of, parameters_of
 
+PENDING_LIMIT = 4096  # spans held before the completed ones are folded into the trace without a synchronize()
+
 
 class CudaEvent:
-    def __init__(self) -> None:
-        self.event = torch.cuda.Event(enable_timing=True)
+    """A CUDA event. For ordering (the default) it records no time, and a host wait on it sleeps (blocking=True)
+    rather than spins; `timing=True` records timestamps, for `elapsed_ms`."""
+
+    def __init__(self, timing: bool = False) -> None:
+        self.timing = timing
+        self.event = torch.cuda.Event(enable_timing=timing, blocking=True)
         self._recorded = False
 
     def record(self, stream: CudaStream) -> None:
@@ -42,7 +59,65 @@ class CudaEvent:
         self.event.synchronize()
 
     def elapsed_ms(self, end: CudaEvent) -> float:
+        if not (self.timing and end.timing):
+            raise RuntimeError("elapsed_ms needs two timing events: make both with dev.event(timing=True) (an "
+                               "event from dev.event() orders work and records no time)")
         return self.event.elapsed_time(end.event)
+
+
+class PendingSpans:
+    """Spans whose CUDA events have not been read yet, and the host tensors of copies still in flight.
+
+    `add` may be called from any thread (backward's hooks, the speculative worker, a checkpoint writer). `fold()`
+    (at synchronize) moves every span whose end event has completed into `trace` and keeps the others; past `limit`
+    spans, `add` folds too, so the list stays bounded when nobody synchronizes. A copy's host tensor is held until
+    its end event has completed: our pinned memory is freed (and unlocked) when its last tensor dies, and a DMA
+    must not read or write it after that.
+    """
+
+    def __init__(self, trace: Trace, ref, ref_time: float, limit: int = PENDING_LIMIT):
+        self._trace, self._ref, self._ref_time = trace, ref, ref_time  # ref completed at ref_time (perf_counter s)
+        self.limit = limit
+        self._fold_at = limit
+        self._lock = threading.Lock()
+        self._spans: list[tuple] = []  # (lane, name, start event, end event, nbytes)
+        self._held: deque[tuple] = deque()  # (end event, host tensor), in the order the copies were queued
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._spans)
+
+    def add(self, lane: str, name: str, start, end, nbytes: int, keep: torch.Tensor | None = None) -> None:
+        with self._lock:
+            while self._held and self._held[0][0].query():  # in queue order, as torch's pinned allocator does
+                self._held.popleft()
+            if keep is not None:
+                self._held.append((end, keep))
+            self._spans.append((lane, name, start, end, nbytes))
+            if len(self._spans) > self._fold_at:
+                self._fold()
+                # the GPU runs far behind: fold again once as many more have come, so that adding stays cheap
+                self._fold_at = max(self.limit, 2 * len(self._spans))
+
+    def fold(self) -> None:
+        """Move the completed spans into the trace (and drop the host tensors of completed copies)."""
+        with self._lock:
+            self._fold()
+            while self._held and self._held[0][0].query():
+                self._held.popleft()
+
+    def _fold(self) -> None:
+        ref = self._ref_time - self._trace.origin  # the reference on the trace's current clock
+        waiting = []
+        for span in self._spans:
+            lane, name, start, end, nbytes = span
+            if not end.query():  # queued after the last synchronize (e.g. by another thread), or still running
+                waiting.append(span)
+                continue
+            t0 = ref + self._ref.elapsed_time(start) / 1e3
+            t1 = ref + self._ref.elapsed_time(end) / 1e3
+            self._trace.record(lane, name, t0, max(t0, t1), nbytes)
+        self._spans = waiting
 
 
 class CudaStream:
@@ -71,20 +146,21 @@ class CudaDevice:
         self.ledger = self.memory.ledger
         self.trace = trace or Trace()
         self.default_stream = CudaStream("default", torch.cuda.current_stream(self.torch_device))
-        self._pending: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event, int]] = []
         # A reference point on both clocks: `_ref_time` (time.perf_counter seconds, not trace time: the trace's
         # origin moves when it is cleared) is when event `_ref` completed.
-        self._ref = torch.cuda.Event(enable_timing=True)
+        self._ref = torch.cuda.Event(enable_timing=True, blocking=True)
         self._ref.record(self.default_stream.stream)
         self._ref.synchronize()
         self._ref_time = time.perf_counter()
+        self._pending = PendingSpans(self.trace, self._ref, self._ref_time)
         self.closed = False
 
     def stream(self, name: str = "stream") -> CudaStream:
         return CudaStream(name, torch.cuda.Stream(self.torch_device))
 
-    def event(self) -> CudaEvent:
-        return CudaEvent()
+    def event(self, timing: bool = False) -> CudaEvent:
+        """An event to order work by (a host wait on it sleeps); `timing=True`: one that `elapsed_ms` can read."""
+        return CudaEvent(timing)
 
     def empty(self, shape, dtype: torch.dtype = torch.float32, name: str = "tensor") -> torch.Tensor:
         shape, key = self.memory.reserve(shape, dtype, name)
@@ -98,7 +174,14 @@ class CudaDevice:
         return self.memory.track(tensor, key)
 
     def host_empty(self, shape, dtype: torch.dtype = torch.float32, pinned: bool = True) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+        """Host memory: pinned, our own page-aligned memory page-locked for exactly its size and unlocked and freed
+        with its last tensor (pinned.aligned_empty; torch's pinned allocator would round it up to a power of two
+        and keep it); or ordinary pageable memory."""
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if not pinned:
+            return torch.empty(shape, dtype=dtype)
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        return aligned_empty(max(nbytes, 1))[:nbytes].view(dtype).view(shape)
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cuda"
@@ -124,6 +207,17 @@ class CudaDevice:
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy of `tensor` on the GPU (a batch of inputs), made on torch's current stream."""
         return tensor.to(self.torch_device)
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The GPU's default random generator (dropout draws on it, not on the CPU's)."""
+        return torch.cuda.default_generators[self.torch_device.index]
+
+    def get_rng_state(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state(self.torch_device)
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        torch.cuda.set_rng_state(state, self.torch_device)
 
     def keep_alive(self, tensor: torch.Tensor, stream: CudaStream) -> None:
         """Keep the caching allocator from handing `tensor`'s memory out again before the work queued on
@@ -176,13 +270,15 @@ class CudaDevice:
     def uses(self, what: str, reads=(), writes=()) -> None:
         """Compute reads or writes these tensors now: a check on the simulator only (its hazard checker)."""
 
-    def _timed(self, stream: CudaStream, lane: str, name: str, nbytes: int, work: Callable[[], None]) -> None:
+    def _timed(self, stream: CudaStream, lane: str, name: str, nbytes: int, work: Callable[[], None],
+               keep: torch.Tensor | None = None) -> None:
+        # timing events, not blocking: only their times are read, after they completed
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream.stream):
             start.record()
             work()
             end.record()
-        self._pending.append((lane, name, start, end, nbytes))
+        self._pending.add(lane, name, start, end, nbytes, keep)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: CudaStream | None = None,
              name: str | None = None) -> None:
@@ -192,8 +288,9 @@ class CudaDevice:
             raise ValueError("both tensors are host tensors; for a host copy use dst.copy_(src)")
         direction = "d2d" if to_device and from_device else "h2d" if to_device else "d2h"
         nbytes = src.numel() * src.element_size()
+        host = src if direction == "h2d" else dst if direction == "d2h" else None  # held until the copy has run
         self._timed(stream or self.default_stream, lane_of(direction), name or direction, nbytes,
-                    lambda: dst.copy_(src, non_blocking=True))
+                    lambda: dst.copy_(src, non_blocking=True), keep=host)
 
     def launch(self, stream: CudaStream | None, fn: Callable, *args, name: str = "compute",
                duration: float | None = None, lane: str = "compute", **kwargs) -> None:
@@ -203,12 +300,7 @@ class CudaDevice:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
-        ref = self._ref_time - self.trace.origin  # the reference on the trace's current clock
-        for lane, name, start, end, nbytes in self._pending:
-            t0 = ref + self._ref.elapsed_time(start) / 1e3
-            t1 = ref + self._ref.elapsed_time(end) / 1e3
-            self.trace.record(lane, name, t0, max(t0, t1), nbytes)
-        self._pending.clear()
+        self._pending.fold()
 
     def close(self) -> None:
         if not self.closed:

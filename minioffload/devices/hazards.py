@@ -20,6 +20,12 @@ In strict mode (`SimDevice(strict=True)`) every copy and launch is checked when 
   GPU compute is queued work too: a copy stream that writes what compute read, or reads what it wrote, must wait
   for compute first (`dev.stream_waits_for_compute`).
 
+* **a GPU that lags** (`lags`, on with strict): on a GPU the host runs ahead of compute, and the caching allocator
+  hands memory compute freed to the next allocation on the compute stream at once, while compute work queued
+  before the free may still use it. So device memory the runtime allocates (`dev.empty`, `restore_storage`) while
+  compute has work the host has not waited for counts as written by that work: a copy stream that writes it (a
+  prefetch) must first wait for compute (`dev.stream_waits_for_compute`, after the allocation).
+
 How "may still" is decided: vector clocks. Each stream counts its ops, and so does compute; an event carries the
 clock of its stream when recorded; `stream.wait(event)` merges it; the host's clock holds what it has waited for
 (an event, a stream, the device); an op issued after the host waited for some work is ordered after it, as on a
@@ -27,8 +33,8 @@ GPU. Every check is made when the work is issued, from counts alone, so a missin
 however the threads happen to be scheduled.
 
 What this is not: a checker of every torch op compute runs (only the uses the runtime names), nor of launches'
-inner accesses beyond their tensor arguments (taken as read and written), nor a model of a GPU that runs behind
-the host (compute here is done when the host moves on).
+inner accesses beyond their tensor arguments (taken as read and written). The sim's compute really is done when the
+host moves on; the lag is in the rules, which hold every run to what a GPU that runs behind would allow.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 COMPUTE = "compute"  # the checker's name for the compute stream (the sim's host thread)
+ALLOCATION = "its allocation on the compute stream"  # what compute did to memory it handed out (with `lags`)
 
 
 class HazardError(RuntimeError):
@@ -88,11 +95,13 @@ def tensors_in(values) -> list[torch.Tensor]:
 class Checker:
     """Vector clocks of the host and of each stream, and the recent accesses to device and pinned memory."""
 
-    def __init__(self, describe):
+    def __init__(self, describe, lags: bool = True):
         self._describe = describe  # tensor -> a name for messages
+        self.lags = lags  # hold the runtime to a GPU that runs behind the host (see the module's docstring)
         self._lock = threading.RLock()  # a tensor that dies while it is held releases its memory here too
         self.host: dict = {}
         self.compute = 0  # how many uses compute has made (its clock's own count)
+        self.compute_waited: dict = {}  # what compute waited for (dev.compute_waits_for): not the host, with `lags`
         self._accesses: list[_Access] = []
 
     # clocks -----------------------------------------------------------------------------------
@@ -119,13 +128,25 @@ class Checker:
             self._accesses = [a for a in self._accesses if not ordered_before(a.stamp, self.host)]
 
     def stream_waits_for_host(self, stream) -> None:
-        """`stream` waits for compute issued so far (and for what the host has waited for)."""
+        """`stream` waits for compute issued so far (and for what the host and compute have waited for)."""
         with self._lock:
-            stream._clock = merge(getattr(stream, "_clock", {}), merge(self.host, {COMPUTE: self.compute}))
+            stream._clock = merge(getattr(stream, "_clock", {}), self._compute_clock())
+
+    def compute_waits(self, event) -> None:
+        """Compute waits for `event` (dev.compute_waits_for). With `lags` only compute does: the host runs on, so host
+        memory the event's work touches is not yet safe for the host (it must wait itself: event.synchronize())."""
+        if not self.lags:
+            self.host_waits(getattr(event, "_clock", {}))
+            return
+        with self._lock:
+            self.compute_waited = merge(self.compute_waited, getattr(event, "_clock", {}))
 
     def host_waits_for_compute(self) -> None:
         """The host waited for the whole device, compute included."""
-        self.host_waits({COMPUTE: self.compute})
+        self.host_waits(self._compute_clock())
+
+    def _compute_clock(self) -> dict:
+        return merge(merge(self.host, self.compute_waited), {COMPUTE: self.compute})
 
     # accesses ---------------------------------------------------------------------------------
     def kept_alive(self, tensor: torch.Tensor, stream) -> None:
@@ -138,23 +159,30 @@ class Checker:
 
     def allocated(self, tensor: torch.Tensor, by_runtime: bool = True) -> None:
         """New device memory: the work its old memory was kept alive for has run (else it would not be free). Memory
-        the runtime allocates (`by_runtime`: dev.empty, restore_storage) also forgets compute's uses of the old: a
-        caching allocator hands memory freed by compute to the next allocation at once, ordered after those uses on
-        the compute stream. (Memory autograd made, adopted, keeps them: compute's next uses of it are its own.)"""
+        the runtime allocates (`by_runtime`: dev.empty, restore_storage) is the compute stream's: a caching allocator
+        hands it memory compute freed, ordered after compute's uses of the old on that stream. With `lags`, while
+        compute has work the host has not waited for, the allocation counts as a write by that work (it may still
+        use the memory), which another stream must wait for before touching it. (Memory autograd made, adopted:
+        compute's next uses are its own.)"""
         lo, hi = _span(tensor)
         with self._lock:
             self._accesses = [a for a in self._accesses if not (
                 (a.kept or (by_runtime and a.agent == COMPUTE)) and a.lo < hi and lo < a.hi)]
+            if self.lags and by_runtime and lo < hi and self.compute > self.host.get(COMPUTE, 0):
+                # compute has work the host has not waited for: the memory may be what that work freed
+                self._accesses.append(_Access(lo, hi, COMPUTE, {COMPUTE: self.compute}, True, ALLOCATION,
+                                              storage=tensor.untyped_storage().data_ptr()))
 
     def uses(self, reads: list[torch.Tensor], writes: list[torch.Tensor], what: str, on_device) -> None:
         """Compute (or the host itself, for host memory) reads and writes these tensors now: raise HazardError if a
         stream's work on them is not ordered before; remember the device ones as compute's."""
         with self._lock:
             self.compute += 1
-            clock = merge(self.host, {COMPUTE: self.compute})
+            # device memory is compute's to use, ordered by what compute waited for; host memory is the host's
+            on_compute, on_host = self._compute_clock(), merge(self.host, {COMPUTE: self.compute})
             new = [(t, False) for t in reads] + [(t, True) for t in writes]
             for tensor, writes_it in new:
-                old = self._unordered(tensor, writes_it, clock, COMPUTE)
+                old = self._unordered(tensor, writes_it, on_compute if on_device(tensor) else on_host, COMPUTE)
                 if old is not None:
                     raise HazardError(
                         f"{what} {'writes' if writes_it else 'reads'} {self._describe(tensor)}, which "
@@ -167,6 +195,13 @@ class Checker:
                 if lo < hi and on_device(tensor):
                     self._accesses.append(_Access(lo, hi, COMPUTE, {COMPUTE: self.compute}, writes_it, what,
                                                   storage=tensor.untyped_storage().data_ptr()))
+
+    def fresh(self, tensor: torch.Tensor) -> None:
+        """New host memory: whatever work used these addresses before held its memory until it ran (the sim's queued
+        ops hold their tensors), so none of it can still touch them."""
+        lo, hi = _span(tensor)
+        with self._lock:
+            self._accesses = [a for a in self._accesses if not (a.lo < hi and lo < a.hi)]
 
     def released(self, storage: int) -> None:
         """Device memory was freed: compute's uses of it are forgotten. (Memory handed out again is a new tensor;
@@ -193,6 +228,13 @@ class Checker:
         with self._lock:
             for tensor, writes_it in new:
                 old = self._unordered(tensor, writes_it, clock, stream._agent)
+                if old is not None and old.what == ALLOCATION:
+                    raise HazardError(
+                        f"{op} on stream {stream.name!r} {'writes' if writes_it else 'reads'} "
+                        f"{self._describe(tensor)}, which the compute stream allocated after work this stream has "
+                        "not waited for: a caching allocator hands memory compute freed to the next allocation at "
+                        "once, and on a GPU compute queued before the free may still be using it. Call "
+                        f"dev.stream_waits_for_compute({stream.name!r} stream) after allocating and before this")
                 if old is not None:
                     raise HazardError(
                         f"{op} on stream {stream.name!r} {'writes' if writes_it else 'reads'} "

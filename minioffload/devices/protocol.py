@@ -37,7 +37,7 @@ class Event(Protocol):
         """Block the host until the marked point is reached."""
 
     def elapsed_ms(self, end: Event) -> float:
-        """Milliseconds between this event and `end` (both reached)."""
+        """Milliseconds between this event and `end` (both reached, both made with `dev.event(timing=True)`)."""
 
 
 @runtime_checkable
@@ -59,10 +59,14 @@ class Device(Protocol):
     memory: Any  # device_common.DeviceMemory: which storages the ledger counts (`forget` stops counting one)
     default_stream: Stream
     adam_rate: float | None  # params/s a device-side Adam is modelled to take (sim); None: measured (cuda)
+    torch_device: torch.device  # where its tensors live: cuda:N, or the CPU for the sim
+    generator: torch.Generator  # the device's own random generator, apart from the CPU's
 
     # streams and events
     def stream(self, name: str = ...) -> Stream: ...
-    def event(self) -> Event: ...
+    def event(self, timing: bool = ...) -> Event:
+        """An event to order work by. `timing=True`: one whose time `elapsed_ms` can read; the default records no
+        time (on CUDA a host wait on it then sleeps instead of spinning a core)."""
     def synchronize(self) -> None: ...
 
     # memory
@@ -72,6 +76,8 @@ class Device(Protocol):
     def adopt(self, tensor: torch.Tensor, name: str = ...) -> torch.Tensor: ...
     def place(self, model, name: str = ...) -> Any: ...
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def get_rng_state(self) -> torch.Tensor: ...  # the device generator's state (save it with the CPU's to replay)
+    def set_rng_state(self, state: torch.Tensor) -> None: ...
     def keep_alive(self, tensor: torch.Tensor, stream: Stream) -> None: ...
     def free_storage(self, tensor: torch.Tensor) -> None: ...
     def restore_storage(self, tensor: torch.Tensor, name: str = ...) -> None: ...

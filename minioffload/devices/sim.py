@@ -9,6 +9,10 @@
 - A host<->device copy is a real copy whose duration follows a `Link` model (latency + bytes /
   bandwidth), one copy engine per direction, so two H2D copies queue behind each other while an H2D
   and a D2H overlap, as on a GPU. A copy from pageable host memory is slower and blocks the host.
+- With `strict` (the test suite), a hazard checker raises at any work a GPU could run in the wrong order, holding
+  the runtime to a GPU that runs behind the host (`lags`: devices/hazards.py), and empty() hands out NaN.
+- The device has its own random generator (`generator`, `get_rng_state`), apart from the CPU's, as a GPU does: code
+  that saves only the CPU's state to replay a kernel's random draws replays them wrong here too.
 - `jitter` delays each stream op by a random 0..jitter seconds: a missing wait then shows up as a
   wrong result within a few trials instead of passing by luck. (A hazard that needs one stage to be
   slower than another shows up reliably only when a slow link or a long kernel makes it so.)
@@ -62,11 +66,12 @@ class SimDevice:
 
     kind = "sim"
     DEFAULT_MEMORY = 4 * GiB
+    torch_device = torch.device("cpu")  # where its tensors are: host memory plays the device's
 
     def __init__(self, memory_bytes: int = DEFAULT_MEMORY, h2d: Link = SLOW_LINK, d2h: Link = SLOW_LINK,
                  pageable_slowdown: float = 2.0, jitter: float = 0.0, seed: int | None = None,
                  trace: Trace | None = None, switch_interval: float = 1e-4, adam_rate: float = 1e9,
-                 strict: bool | None = None):
+                 strict: bool | None = None, lags: bool | None = None):
         if pageable_slowdown < 1 or jitter < 0:
             raise ValueError(f"need pageable_slowdown >= 1 and jitter >= 0, got {pageable_slowdown}, {jitter}")
         if not 0 < adam_rate < math.inf:
@@ -76,7 +81,11 @@ class SimDevice:
         # memory may hold anything. Default: on when MINIOFFLOAD_SIM_STRICT=1 (the test suite sets it).
         self.strict = os.environ.get("MINIOFFLOAD_SIM_STRICT") == "1" if strict is None else strict
         self.memory = DeviceMemory(memory_bytes)
-        self.hazards = Checker(self._describe) if self.strict else None  # devices/hazards.py: missing waits raise
+        # lags (with strict; on by default): the checker holds the runtime to a GPU that runs behind the host
+        self.lags = self.strict if lags is None else lags
+        if self.lags and not self.strict:
+            raise ValueError("lags=True is a rule of the strict hazard checker: pass strict=True too")
+        self.hazards = Checker(self._describe, self.lags) if self.strict else None  # missing waits raise
         if self.hazards:
             self.memory.on_release = self.hazards.released
         self.ledger = self.memory.ledger
@@ -84,6 +93,9 @@ class SimDevice:
         self.links = {"h2d": h2d, "d2h": d2h}
         self.pageable_slowdown, self.jitter = pageable_slowdown, jitter
         self._rng = random.Random(seed)
+        # the device's own random generator, apart from the CPU's (as a GPU's is): kernels that draw on the device
+        # take it (`generator=dev.generator`), and `get_rng_state` saves it
+        self.generator = torch.Generator().manual_seed(torch.initial_seed() if seed is None else seed)
         self._rng_lock = threading.Lock()
         self._engines = {"h2d": threading.Lock(), "d2h": threading.Lock()}  # one copy engine per direction
         self._engine_free = {"h2d": 0.0, "d2h": 0.0}  # model time each engine finishes its last copy
@@ -104,8 +116,9 @@ class SimDevice:
         self._streams.append(s)
         return s
 
-    def event(self) -> SimEvent:
-        return SimEvent(self)
+    def event(self, timing: bool = False) -> SimEvent:
+        """An event to order work by; `timing=True`: one whose time `elapsed_ms` can read (as on CUDA)."""
+        return SimEvent(self, timing)
 
     def synchronize(self) -> None:
         """Wait for all work on all streams; raise the first error any of it hit."""
@@ -131,6 +144,13 @@ class SimDevice:
             self._error = None
             raise RuntimeError(f"work on stream {stream!r} failed: {type(err).__name__}: {err}") from err
 
+    def get_rng_state(self) -> torch.Tensor:
+        """The device random generator's state (a CPU tensor), as torch.cuda.get_rng_state gives a GPU's."""
+        return self.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
     # memory -----------------------------------------------------------------------------------
     def empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.float32,
               name: str = "tensor") -> torch.Tensor:
@@ -151,8 +171,13 @@ class SimDevice:
         """A host tensor: pinned (page-aligned, treated as page-locked) or ordinary pageable memory."""
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         if not pinned:
-            return torch.empty(shape, dtype=dtype)
-        return aligned_empty(math.prod(shape) * torch.empty(0, dtype=dtype).element_size()).view(dtype).view(shape)
+            tensor = torch.empty(shape, dtype=dtype)
+        else:
+            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            tensor = aligned_empty(nbytes).view(dtype).view(shape)
+        if self.hazards:
+            self.hazards.fresh(tensor)  # its addresses may have been a freed device tensor's
+        return tensor
 
     def _describe(self, tensor: torch.Tensor) -> str:
         key = self.memory._held.get(tensor.untyped_storage().data_ptr())
@@ -219,8 +244,15 @@ class SimDevice:
             self.hazards.stream_waits_for_host(stream)
 
     def compute_waits_for(self, event: SimEvent) -> None:
-        """Make the next compute wait for `event`: on the sim, the host blocks until it is reached."""
-        event.synchronize()
+        """Make the next compute wait for `event`: on the sim, the host blocks until it is reached (compute runs on
+        it). With `lags` the checker still takes it as compute's wait, not the host's, as on a GPU."""
+        if not self.hazards:
+            event.synchronize()
+            return
+        if not event._wait_for(event._target("the compute stream"), 60.0):
+            raise TimeoutError("event not reached within 60 s: is its stream waiting on something that never happens?")
+        self.hazards.compute_waits(event)
+        self._raise_stream_error()
 
     def uses(self, what: str, reads=(), writes=()) -> None:
         """Compute (`what`: a block's forward, a backward hook) reads or writes these tensors now; for host memory,

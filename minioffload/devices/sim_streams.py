@@ -25,8 +25,8 @@ def sleep_until(at: float) -> None:
 class SimEvent:
     """A marker in a stream. Re-recording moves the marker; a wait sees the record made before it."""
 
-    def __init__(self, dev):
-        self._dev = dev
+    def __init__(self, dev, timing: bool = False):
+        self._dev, self.timing = dev, timing  # timing: elapsed_ms may read it (as on CUDA, where it costs)
         self._cond = threading.Condition()
         self._recorded = 0  # records requested by the host
         self._fired = 0  # records a stream has reached
@@ -79,7 +79,10 @@ class SimEvent:
         self._dev._raise_stream_error()
 
     def elapsed_ms(self, end: SimEvent) -> float:
-        """Milliseconds from this event to `end` (both reached)."""
+        """Milliseconds from this event to `end` (both reached, both made with `dev.event(timing=True)`)."""
+        if not (self.timing and end.timing):
+            raise RuntimeError("elapsed_ms needs two timing events: make both with dev.event(timing=True) (an "
+                               "event from dev.event() orders work and records no time)")
         if self.time is None or end.time is None:
             raise RuntimeError("elapsed_ms needs both events recorded and reached; synchronize first")
         return (end.time - self.time) * 1e3

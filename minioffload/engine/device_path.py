@@ -47,6 +47,7 @@ class DevicePath:
         if largest:
             self.scratch = [{name: next(parts) for name in (*STATE, "grad")} for _ in range(self.sets)]
             self.state_in, self.state_out = dev.stream("state h2d"), dev.stream("state d2h")
+            dev.stream_waits_for_compute(self.state_in)  # the scratch is compute's new memory (allocated above)
         self.gpu = dev.stream("device adam")
 
     @property

@@ -11,7 +11,8 @@ bucket, which leaves in one copy once full (buckets.py); the device gradient is 
 gradients are added into the subgroup's fp32 buffer once their copy has landed, so micro-batches accumulate on the
 host, never on the device. The coefficient is 1/scale times the clip factor from the global L2 norm, per-subgroup
 partial sums added in subgroup order; a speculative update (speculative.py) took its subgroups' partial sums and
-overflow flags during backward, and these use them.
+overflow flags during backward, and these use them. The gradients kept on the device are checked and measured on
+the device, one host sync per check for all of them (not one per tensor).
 
 What this is not: the hook's dispatch (engine/optimizer.py sends a sharded rank's gradients to sharded.py and a
 device-updated subgroup's to device_path.py) or the update.
@@ -78,7 +79,7 @@ class GradientPath:
             return True
         finite = all(speculations[id(sub)].finite if id(sub) in speculations
                      else bool(torch.isfinite(sub.buffers["grad"]).all()) for sub in self.packing.on_cpu())
-        finite = finite and all(bool(torch.isfinite(grad).all()) for grad in on_device)
+        finite = finite and _all_finite(on_device)
         shard = self.packing.shard
         return finite if shard is None else shard.all_true(finite)  # sharded: skip on every rank or none
 
@@ -98,6 +99,23 @@ class GradientPath:
         else:  # the owners' partial sums, added in the same order as one process adds them
             squares = shard.sum_in_order({self.packing.index[id(sub)]: sum_of_squares(sub.buffers["grad"])
                                           for sub in self.packing.on_cpu()}, len(self.packing.subgroups))
-        squares += sum(float(grad.double().square().sum()) for grad in on_device)
+        squares += sum(_squares(on_device))
         norm = math.sqrt(squares) / divide
         return min(1.0, max_norm / (norm + 1e-6)) / divide, norm
+
+
+def _all_finite(grads: list[torch.Tensor]) -> bool:
+    """No inf or NaN in any of the device `grads`: one flag per tensor on the device, one host sync."""
+    if not grads:
+        return True
+    return bool(torch.stack([torch.isfinite(grad).all() for grad in grads]).all())
+
+
+def _squares(grads: list[torch.Tensor]) -> list[float]:
+    """Each device gradient's sum of squares, in one host sync: its fp32 L2 norm (one fused pass, no temporary; a
+    16-bit gradient through an fp32 copy), squared in float64. (`sum(dtype=torch.float64)` would copy the whole
+    tensor to float64 first.) The per-tensor norms are those torch's clip_grad_norm_ takes."""
+    if not grads:
+        return []
+    norms = torch.stack([torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in grads])
+    return [norm * norm for norm in norms.tolist()]

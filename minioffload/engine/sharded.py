@@ -1,12 +1,27 @@
 """The sharded step of OffloadAdam (chapter 10): what a rank does differently when it owns only some subgroups.
 
     sharded = ShardedSteps(packing, grads)     # with `shard=` (a sharding.Shard)
-    backward   `gather_grad` holds a subgroup's gradients on the device until the last arrives; `reduce` packs them
-               into one buffer, sums it into the owner (a reduce), and only the owner copies it to its host staging
-    step       `reduce_the_rest` sends subgroups left incomplete and the gradients kept on the device (all-reduce);
+    backward   `gather_grad` holds a subgroup's gradients on the device until the last arrives and its turn has come;
+               `reduce` packs them into one buffer, sums it into the owner (a reduce), and only the owner copies it to
+               its host staging
+    step       `reduce_the_rest` checks that every rank reduced as often, tells each which parameters got a gradient
+               on any rank, and all-reduces the gradients kept on the device;
                `interleave` yields this rank's subgroups to update, receiving the others' weights in between;
                `send_subgroup` uploads one subgroup in one copy and broadcasts it; `write_weights` puts received
                weights into the model (streamed ones into this rank's home)
+
+Every rank issues the same reduces in the same order, as DDP's buckets do: collectives issued in different orders
+on different ranks hang (NCCL) or sum the wrong buffers, and gradients can complete in different orders on different
+ranks (hooks firing in another order, a parameter unused by one rank's batch). The order is backward's: the last
+subgroup first (subgroups follow the parameters, backward meets them in reverse); a subgroup complete before its turn
+waits on the device. A subgroup is complete when every parameter of it that this backward reaches has its gradient:
+at its first gradient hook, each backward asks autograd which parameters it will reach (as DDP does with
+find_unused_parameters), so each backward reduces every subgroup once on every rank, with zeros for the
+parameters a rank's batch did not use. At step() one small gather tells every rank which parameters got a gradient
+on any rank: those are updated everywhere, as one process would.
+
+Not built for: reentrant activation checkpointing (`use_reentrant=True`), which runs a backward inside the backward;
+the runtime's own checkpointing is non-reentrant.
 
 engine/sharding.py holds the collectives and the shard map; engine/optimizer.py the rest of the step.
 
@@ -27,6 +42,10 @@ class ShardedSteps:
     def __init__(self, packing: Packing, grads: GradientPath):
         self.packing, self.grads = packing, grads
         self.shard = packing.shard
+        self.backward_id: int | None = None  # autograd's id of the backward the hooks belong to
+        self.expected: list[int] = []  # by subgroup: the gradients that backward brings
+        self.left = 0  # reduces that backward has still to issue (the next: `_turn()`)
+        self.backwards = 0  # backwards since the last step that issued their reduces
 
     def share_out(self, settings: dict) -> None:
         """Every rank checks that all run the same `settings` (sharding.settings_of), then takes its subgroups."""
@@ -40,12 +59,40 @@ class ShardedSteps:
             sub.owner = owner
 
     def gather_grad(self, slot: Slot) -> None:
-        """backward's hook: a gradient waits on the device until its subgroup is complete; then the subgroup goes."""
-        self.packing.dev.adopt(slot.param.grad, "grad")
-        slot.has_grad = True
+        """backward's hook: a gradient waits on the device until its subgroup is complete and its turn has come; then
+        the subgroup goes, and each complete one after it in the order."""
+        if slot.param.grad is not None:  # (None: backward reached the parameter with an undefined gradient)
+            self.packing.dev.adopt(slot.param.grad, "grad")
+            slot.has_grad = True
+        self._begin(torch._C._current_graph_task_id())
         slot.subgroup.arrived += 1
-        if slot.subgroup.arrived == len(slot.subgroup.slots):
-            self.reduce(slot.subgroup)
+        while self.left and self._turn().arrived == self.expected[self.left - 1]:
+            self.reduce(self._turn())
+            self.left -= 1
+
+    def _begin(self, backward_id: int) -> None:
+        """At a backward's first gradient: how many gradients it brings to each subgroup (autograd knows which
+        parameters' accumulation it will run; a parameter this rank's batch did not use gets none)."""
+        if backward_id == self.backward_id:
+            return
+        self._finish_round()
+        # torch's private hooks into the running backward, as torch's own register_multi_grad_hook uses them
+        reached = {id(slot): torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(slot.param).node)
+                   for slot in self.packing.slots.values()}
+        self.expected = [sum(reached[id(s)] for s in sub.slots) for sub in self.packing.subgroups]
+        self.backward_id, self.left = backward_id, len(self.packing.subgroups)
+        self.backwards += 1
+
+    def _turn(self) -> Subgroup:
+        """The subgroup whose reduce is next: the last subgroup first (backward's order)."""
+        return self.packing.subgroups[self.left - 1]
+
+    def _finish_round(self) -> None:
+        """Reduce, in turn, the subgroups the last backward left waiting because it stopped midway (an error the
+        caller caught): what they hold goes, zeros for the rest."""
+        while self.left:
+            self.reduce(self._turn())
+            self.left -= 1
 
     def reduce(self, sub: Subgroup) -> None:
         """Pack a subgroup's gradients into one buffer, sum it into the owner, which copies it to the host."""
@@ -72,15 +119,29 @@ class ShardedSteps:
             s.pending.append((done, self.packing.staging(s)))
 
     def reduce_the_rest(self, kept: list[torch.nn.Parameter]) -> None:
-        """At step(): subgroups some of whose parameters got no gradient, and the gradients of the parameters
-        `kept` on the device (all-reduced: every rank updates those)."""
-        for sub in self.packing.subgroups:
-            if sub.arrived:
-                self.reduce(sub)
-        for p in kept:
-            if p.grad is not None:
-                with self.packing.dev.trace.span("net", "all-reduce kept", p.grad.numel() * p.grad.element_size()):
-                    self.shard.all_reduce(p.grad, "the gradients kept on the device")
+        """At step(), on every rank: check that every rank reduced for as many backwards; mark each parameter that got
+        a gradient on any rank (`slot.has_grad`: it is updated everywhere); all-reduce the gradients of the parameters
+        `kept` on the device that got one on any rank (zeros from a rank where it got none)."""
+        self._finish_round()
+        slots = list(self.packing.slots.values())
+        everyone = self.shard.gather_ints([self.backwards, *(int(s.has_grad) for s in slots),
+                                           *(int(p.grad is not None) for p in kept)],
+                                          "which parameters got a gradient on each rank")
+        counts = [row[0] for row in everyone]
+        if len(set(counts)) > 1:
+            raise ValueError(f"since the last step the ranks ran {counts} backward passes (by rank) that reached an "
+                             "offloaded parameter: every rank must run the same number of backwards per step, each "
+                             "reaching at least one parameter the optimizer offloads")
+        self.backwards = 0
+        for k, slot in enumerate(slots):
+            slot.has_grad = any(row[1 + k] for row in everyone)
+        for k, p in enumerate(kept):
+            if not any(row[1 + len(slots) + k] for row in everyone):
+                continue  # no gradient on any rank: AdamW skips it everywhere
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # unused by this rank's batch: it adds nothing to the others'
+            with self.packing.dev.trace.span("net", "all-reduce kept", p.grad.numel() * p.grad.element_size()):
+                self.shard.all_reduce(p.grad, "the gradients kept on the device")
 
     def gather(self) -> WeightGather:
         """Where the step's new weights meet: sent from each owner, received by the others, in subgroup order."""

@@ -15,9 +15,19 @@ ZeRO-2 with CPU offload, with whole subgroups as the shards (`layout.shard_owner
   one process adds them: the coefficient, and so the weights, are bitwise those of one process.
 
 Device tensors travel on the group's backend (gloo with the simulated device, whose memory is host memory;
-NCCL on CUDA); small host values (norm partials, flags, the settings check) on a gloo group. Every collective
-has the process group's timeout: a rank that died or diverged becomes an error naming the rank and the
-collective, on every rank still alive, rather than a hang.
+NCCL on CUDA); small host values (norm partials, flags, the settings check) on a gloo group. Every rank issues
+the same collectives in the same order (sharded.py holds back gradients that complete early to keep it so).
+
+Every collective has the process group's timeout, but what a failure does depends on the backend:
+- gloo (the sim, and host values on CUDA): the waiting call raises; a rank that died or diverged becomes an error
+  naming the rank and the collective, on every rank still alive, rather than a hang.
+- NCCL: a collective is queued on the GPU and the host does not wait for it (a broadcast's `work.wait()` only
+  makes the current stream wait; waiting with a timeout would make the host poll until the collective ends, which
+  is what the overlap is for). A collective that fails or outlives the timeout is caught by ProcessGroupNCCL's
+  watchdog thread, not at a wait: it tears the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING: torch's default 3
+  leaves the communicator as it is; torchrun's default 1 aborts it first), and torchrun then stops the other
+  ranks. With TORCH_NCCL_BLOCKING_WAIT=1 the host waits for every NCCL collective and the error is raised at the
+  wait, as with gloo, at the cost of the overlap.
 
 What this is not: ZeRO-3 (the weights are whole on every rank between steps; streaming them in shards is not
 done here), a data loader (each rank feeds its own batches), or a launcher (torchrun is).
@@ -66,8 +76,9 @@ class Shard:
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.timeout = timedelta(seconds=timeout_s)
+        self.backend = dist.get_backend(self.group)  # of the device tensors' collectives: "gloo" or "nccl"
         # host-side values need a CPU backend: with NCCL, a gloo group beside it
-        self.host_group = (self.group if dist.get_backend(self.group) == "gloo"
+        self.host_group = (self.group if self.backend == "gloo"
                            else dist.new_group(backend="gloo", timeout=self.timeout))
         self.owners: list[int] = []
         self.link_bytes = {"d2h": 0, "h2d": 0}  # over this rank's own link, counted by the engine
@@ -139,6 +150,13 @@ class Shard:
         self._run("the all-reduce of a number", lambda: dist.all_reduce(total, group=self.host_group))
         return float(total.item()) / self.world
 
+    def gather_ints(self, values: list[int], what: str) -> list[list[int]]:
+        """Every rank's list of integers (as long on every rank), in rank order, on every rank."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(self.world)]
+        self._run(f"the gather of {what}", lambda: dist.all_gather(everyone, mine, group=self.host_group))
+        return [row.tolist() for row in everyone]
+
     def gather(self, value) -> list:
         """Every rank's `value` (a small picklable object), in rank order, on every rank."""
         everyone: list = [None] * self.world
@@ -192,14 +210,17 @@ class WeightGather:
         group = shard.host_group if on_host else shard.group
         work = shard._run(f"the broadcast of subgroup {index}'s weights from rank {owner}",
                           lambda: dist.broadcast(flat, src=_global(group, owner), group=group, async_op=True))
-        self.pending.append((index, work, flat, slots))
+        on_device = not on_host and shard.backend != "gloo"  # an NCCL collective, queued on the GPU
+        self.pending.append((index, work, flat, slots, on_device))
 
     def _complete(self) -> None:
-        index, work, flat, slots = self.pending.popleft()
+        index, work, flat, slots, on_device = self.pending.popleft()
         owner = self.shard.owners[index]
+        # NCCL: no timeout, so the host does not poll: the current stream waits for the broadcast, the write below
+        # is queued after it, and the span is only the wait's queuing (NCCL's watchdog keeps the group's timeout)
+        wait = work.wait if on_device else lambda: work.wait(self.shard.timeout)
         with self.dev.trace.span("net", f"broadcast {index}", flat.numel() * flat.element_size()):
-            self.shard._run(f"the broadcast of subgroup {index}'s weights from rank {owner}",
-                            lambda: work.wait(self.shard.timeout))
+            self.shard._run(f"the broadcast of subgroup {index}'s weights from rank {owner}", wait)
         self.write(slots, flat)
 
     def finish(self) -> None:

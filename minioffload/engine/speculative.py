@@ -71,6 +71,10 @@ class SpeculativeUpdate:
         self._backwards: dict[int, int] = {}  # id(subgroup) -> backward passes that completed it since the step
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="speculative adam")
         self._futures: list = []
+        # Numba's thread count is per thread: read it on the thread that sets the optimizer up and calls step()
+        # (where the user or the course sets it), never in a backward hook (on a GPU, autograd's own thread, at the
+        # default), so that the worker's passes, and so the norm's partial sums, match the step's own
+        self.numba_threads = numba.get_num_threads()
         # subgroups whose speculated update was kept, redone (clipped, or a setting changed), or taken back (overflow)
         self.counts = {"kept": 0, "redone": 0, "taken back": 0}
         for sub in packing.on_cpu():  # the second set of state: 12 B/param of pinned host memory
@@ -107,7 +111,7 @@ class SpeculativeUpdate:
         hyper = tuple(tuple(run[0].group[k] for k in ("lr", "betas", "eps", "weight_decay")) for run in runs)
         spec = Speculation(1.0 / self.loss_scale.scale, steps, hyper)
         self.speculations[key] = spec
-        self._futures.append(self._worker.submit(self._speculate, sub, spec, numba.get_num_threads()))
+        self._futures.append(self._worker.submit(self._speculate, sub, spec, self.numba_threads))
 
     def _speculate(self, sub: Subgroup, spec: Speculation, threads: int) -> None:
         """On the worker thread: gather the gradient, measure it, update out of place, upload."""
@@ -166,8 +170,13 @@ class SpeculativeUpdate:
                 self.counts["taken back"] += 1
         self.weights.sent()
         self.weights.forward_waits()
-        self.end()
+        self._forget()  # (maybe on autograd's thread, from refuse_a_late_backward: the thread count stays)
 
     def end(self) -> None:
-        """The step is over: the next backward starts counting afresh."""
+        """The step is over (called from step(), on the caller's thread): the next backward starts counting afresh,
+        with the caller's Numba thread count as it is now."""
+        self._forget()
+        self.numba_threads = numba.get_num_threads()
+
+    def _forget(self) -> None:
         self.speculations, self._landed, self._backwards = {}, {}, {}

@@ -122,6 +122,8 @@ class Activations:
             def run(x):
                 if not torch.is_grad_enabled():
                     return forward(x)
+                if not x.requires_grad:  # else the output would need no gradient, and the weights would get none
+                    x = x.detach().requires_grad_(True)
                 return _OffloadedInput.apply(self, index, forward, x)
         block.forward = run
         self._patched.append((block, "forward"))
@@ -134,6 +136,8 @@ class Activations:
 
     # offload: pack in forward, fetch ahead in backward ------------------------------------------------------
     def _pack(self, index: int, tensor: torch.Tensor, force: bool = False):
+        if tensor.device != self.dev.torch_device:
+            return tensor  # not device memory (fused attention saves 0-dim CPU tensors): nothing to move
         if not force and (tensor.numel() < self.min_numel or tensor.untyped_storage()._cdata in self._weights):
             return tensor  # weights stay the model's; small tensors are not worth a copy
         if not self._waiting:
@@ -168,12 +172,17 @@ class Activations:
 
     def _fetch(self, index: int) -> None:
         waiting = self._waiting.pop(index, [])
-        if waiting:
-            # after every D2H so far, not only these tensors': its own has landed in host memory, and the memory the
-            # others read may be handed out again (dev.empty below), which is safe only once they are done
-            self.h2d.wait(self._last_left)
+        if not waiting:
+            return
+        # after every D2H so far, not only these tensors': its own has landed in host memory, and the memory the
+        # others read may be handed out again (dev.empty below), which is safe only once they are done
+        self.h2d.wait(self._last_left)
         for packed in waiting:
             packed.device = self.dev.empty(tuple(packed.host.shape), packed.host.dtype, name=f"activation {index}")
+        # the memory just allocated may be what a later block's backward, still queued on a GPU, has freed: the
+        # copies into it wait for the compute issued so far (this block's backward is not issued yet: they overlap)
+        self.dev.stream_waits_for_compute(self.h2d)
+        for packed in waiting:
             self.dev.copy(packed.device, packed.host, self.h2d, name=f"h2d activation {index}")
             packed.arrived = self.dev.event()
             packed.arrived.record(self.h2d)
@@ -187,19 +196,33 @@ class Activations:
 
 class _OffloadedInput(torch.autograd.Function):
     """A block run without keeping anything but its input, which goes to the host; in backward the input comes
-    back and the block runs again, with the CPU random state of its forward (dropout), to give its gradients."""
+    back and the block runs again, with the random states of its forward (the CPU's and the device's: dropout on a
+    GPU draws from the device's), to give its gradients."""
 
     @staticmethod
     def forward(ctx, acts: Activations, index: int, forward: Callable, x: torch.Tensor) -> torch.Tensor:
-        ctx.acts, ctx.index, ctx.forward, ctx.rng = acts, index, forward, torch.get_rng_state()
+        ctx.acts, ctx.index, ctx.forward, ctx.rng = acts, index, forward, _rng_states(acts.dev)
         ctx.packed = acts._pack(index, x.detach(), force=True)
         return forward(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x = ctx.acts._unpack(ctx.index, ctx.packed).detach().requires_grad_(True)
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            torch.set_rng_state(ctx.rng)
-            y = ctx.forward(x)
+        now = _rng_states(ctx.acts.dev)
+        _set_rng_states(ctx.acts.dev, ctx.rng)  # the forward's draws again...
+        try:
+            with torch.enable_grad():
+                y = ctx.forward(x)
+        finally:
+            _set_rng_states(ctx.acts.dev, now)  # ...and the rest of the run's as if nothing had been replayed
         torch.autograd.backward(y, grad)
         return None, None, None, x.grad
+
+
+def _rng_states(dev) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.get_rng_state(), dev.get_rng_state()
+
+
+def _set_rng_states(dev, states: tuple[torch.Tensor, torch.Tensor]) -> None:
+    torch.set_rng_state(states[0])
+    dev.set_rng_state(states[1])

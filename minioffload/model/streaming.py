@@ -37,6 +37,7 @@ What this is not: parameters sharded across GPUs (chapter 10), nor the choice of
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -92,15 +93,19 @@ class ParamStreamer:
         self.wraps = True
         self._pos, self._recording = 0, []
         self._where = {id(p): (block, i) for block in self.blocks for i, p in enumerate(block.params)}
-        self._bounces: list[torch.Tensor] = []
+        self._bounces: list[torch.Tensor] = []  # nvme: free pinned buffers a read lands in before its copy up
+        self._landing: deque = deque()  # nvme: (event after the copy up, its bounce buffer), oldest first
         self._writing: dict[int, torch.Tensor] = {}  # nvme: block index -> its new weights, being assembled
         self._written: dict[int, set[int]] = {}  # nvme: block index -> which of its parameters are in
         self._writes: list = []  # nvme: (future, buffer) of blocks being written home
         for block in self.blocks:
             self._make_home(block)
         if self.swapper is not None:
-            largest = max(block.nbytes for block in self.blocks)
-            self._bounces = [self.dev.host_empty(max(largest, 1), torch.uint8) for _ in range(prefetch + 2)]
+            # one per block the budget can hold at once (each block coming up holds one until its copy has landed),
+            # so a read never waits for a buffer while a copy up is still running
+            sizes = [block.nbytes for block in self.blocks if block.params]
+            count = min(len(sizes), max(1, self.budget_bytes // min(sizes)))
+            self._bounces = [self.dev.host_empty(max(sizes), torch.uint8) for _ in range(count)]
         dev.place(to_place)
         self._hooks = [hook for block, module in zip(self.blocks, modules, strict=True)
                        for hook in self._register(block, module)]
@@ -263,12 +268,22 @@ class ParamStreamer:
         if self.swapper is None or not block.params:
             self._land(block)
             return True
-        if not self._bounces:
-            raise RuntimeError("every bounce buffer is in use: more blocks in flight than prefetch + 2")
-        block.bounce = self._bounces.pop()
+        block.bounce = self._take_bounce()
         block.read = self.swapper.read(self._key(block), into=self._in_bounce(block))
         block.state = "reading"
         return True
+
+    def _take_bounce(self) -> torch.Tensor:
+        """A free bounce buffer: those whose copy up has landed come back first (asked, not waited for); only when
+        none is free does the host wait, for the oldest copy."""
+        while self._landing and (not self._bounces or self._landing[0][0].query()):
+            landed, bounce = self._landing.popleft()
+            landed.synchronize()  # at once when query() said so
+            self._bounces.append(bounce)
+        if not self._bounces:
+            raise RuntimeError("every bounce buffer holds a block still being read: more blocks in flight than the "
+                               "streaming budget holds")
+        return self._bounces.pop()
 
     @staticmethod
     def _in_bounce(block: _Block) -> torch.Tensor:
@@ -291,6 +306,9 @@ class ParamStreamer:
             self.dev.copy(block.flat[offset:offset + host.numel()], host, self.h2d, name=f"h2d block {block.index}")
         block.arrived = self.dev.event()
         block.arrived.record(self.h2d)
+        if block.bounce is not None:  # free again once the copy up has read it
+            self._landing.append((block.arrived, block.bounce))
+            block.bounce = None
 
     # releases ---------------------------------------------------------------------------------
     def _release_unless_next(self, block: _Block) -> None:
@@ -307,10 +325,6 @@ class ParamStreamer:
         if not block.params:
             return
         self.dev.compute_waits_for(block.arrived)  # its copies are done before its memory is freed
-        if block.bounce is not None:
-            block.arrived.synchronize()  # the bounce buffer is read by the copy until it lands
-            self._bounces.append(block.bounce)
-            block.bounce = None
         self.dev.free_storage(block.flat)
 
     # the optimizer's side -----------------------------------------------------------------------

@@ -286,7 +286,8 @@ def streamed_bytes(num_params: float, num_layers: int, resident_params: float = 
     host: the offloaded optimizer's per-parameter bytes (`footprint` with "optimizer_cpu" or "optimizer_nvme"),
         the NVMe tier's three working sets of `subgroup_numel` (when `nvme`), and with the "host" home one copy of
         the blocks in the model's dtype (none when the master already is in that dtype: fp32).
-        With the "nvme" home, the prefetch + 2 pinned bounce buffers of a block that fetches read into.
+        With the "nvme" home, the pinned bounce buffers fetches read into: one per block of the window (prefetch + 1,
+        at the default budget).
     nvme: the optimizer's files (when `nvme`) and, with the "nvme" home, the blocks in the model's dtype.
 
     Not counted: alignment padding, the buffers of writes in flight, what `engine_bytes` adds for hybrid updates.
@@ -315,7 +316,7 @@ def streamed_bytes(num_params: float, num_layers: int, resident_params: float = 
     home = (num_params - resident_params) * model_b
     if params_on == "nvme":
         disk += home
-        host += (prefetch + 2) * block * model_b  # model/streaming.py's bounce buffers
+        host += min(prefetch + 1, num_layers) * block * model_b  # model/streaming.py's bounce buffers
     elif model_b != _MASTER_BYTES[precision]:
         host += home
     return {"device": round(device), "host": round(host), "nvme": round(disk)}

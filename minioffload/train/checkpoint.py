@@ -51,6 +51,8 @@ def load(path, model, opt) -> dict:
     state = _state(model, opt, None)  # what this rank needs, in the right shapes: DCP fills it in place
     state["model"] = {key: value.clone() for key, value in state["model"].items()}  # the model changes last
     state["extra"] = {key: None for key in _saved_extra_keys(path)}
+    if state["optimizer"].get("kept") is not None:  # a fresh optimizer's AdamW has no state yet to be filled
+        state["optimizer"]["kept"]["state"] = _saved_kept_state(path)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -70,6 +72,21 @@ def load(path, model, opt) -> dict:
 def _saved_extra_keys(path: Path) -> list[str]:
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     return sorted({key.split(".", 2)[1] for key in metadata.state_dict_metadata if key.startswith("extra.")})
+
+
+def _saved_kept_state(path: Path) -> dict:
+    """Places, shaped as the checkpoint's, for the AdamW state of the small parameters kept on the device: DCP loads
+    only the keys it is given, and the optimizer it loads into has made none of them yet."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    prefix = "optimizer.kept.state."
+    state: dict[int, dict] = {}
+    for key, saved in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items():
+        if key.startswith(prefix):
+            index, name = key[len(prefix):].split(".", 1)
+            state.setdefault(int(index), {})[name] = (torch.empty(saved.size, dtype=saved.properties.dtype)
+                                                      if isinstance(saved, TensorStorageMetadata) else None)
+    return state
 
 
 def export(path, out_file) -> Path:

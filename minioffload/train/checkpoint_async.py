@@ -9,9 +9,14 @@ waits only if the writer has not yet captured the state that step would overwrit
     step, extra = load_latest("ckpt", model, opt)            # the newest complete one; resume bit for bit
 
 Why it can be lazy: between one `opt.step()` and the next nothing changes the optimizer's state or the model's
-weights (forward and backward read them; only the update writes them). So the writer reads the live buffers
+weights (forward and backward read them; only the update writes them). So the writer reads the live host buffers
 directly, with no copy, and a step pre-hook on the optimizer holds the next update until the writer has
-captured them. Written per checkpoint, in a directory `step{N:08d}/`:
+captured them. What lives on the device (the model's tensors that are not offloaded parameters, the kept small
+parameters' AdamW state, a resident hybrid subgroup's state) is snapshotted by `save()` itself: copies into pinned
+host buffers (made at the first save, reused by every later one) queued on a side stream ("checkpoint d2h") after
+the compute issued so far, and an event the writer waits for before it writes them. `save()` only issues them: it
+never waits for the device, and nothing goes through the default stream, where it would queue behind training.
+Written per checkpoint, in a directory `step{N:08d}/`:
     subgroup{i}/master, exp_avg, exp_avg_sq   each CPU subgroup's fp32 state, through a Swapper (O_DIRECT, checksums);
                                               with the NVMe tier, the tier's current files hard-linked (not copied:
                                               the Swapper replaces a linked slot file instead of rewriting it) where
@@ -69,6 +74,7 @@ class AsyncCheckpointer:
         self._error: BaseException | None = None
         self.blocked_s = 0.0  # time the training loop spent waiting for the writer (save() and the step pre-hook)
         self.last: dict | None = None  # the last checkpoint written: step, path, seconds to capture and to commit
+        self.snapshot = Snapshot(opt.dev)
         self._hook = opt.register_step_pre_hook(self._before_step)
 
     # the training loop's side -----------------------------------------------------------------------------
@@ -81,6 +87,7 @@ class AsyncCheckpointer:
         rng = {"cpu": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         path = self.directory / f"step{step:08d}"
+        self.snapshot.take(_device_state(self.model, self.opt))  # queued; the writer waits for it
         self._captured.clear()
         self._thread = threading.Thread(target=self._write, args=(step, path, dict(extra or {}), rng),
                                         name="checkpoint writer", daemon=True)
@@ -113,6 +120,9 @@ class AsyncCheckpointer:
     def _write(self, step: int, path: Path, extra: dict, rng: dict) -> None:
         started = time.perf_counter()
         try:
+            # first: until the snapshot has landed, the next update must not write what it reads (and on a failure
+            # below, the `finally` lets that update go)
+            self.snapshot.wait()
             if path.exists():
                 shutil.rmtree(path)  # an unfinished checkpoint of the same step, from a run that died
             captured_s = self._capture(step, path, extra, rng)
@@ -148,13 +158,14 @@ class AsyncCheckpointer:
                         _link_or_copy(opt.swapper, opt.nvme.key(sub, name), swapper, key)
                         continue
                     source = sub.buffers[name]
-                    if opt.dev.is_device(source):  # a resident subgroup's state: to the host first
-                        source = opt.dev.host_empty(sub.numel).copy_(source)
+                    if opt.dev.is_device(source):  # a resident subgroup's state: its snapshot in pinned memory
+                        source = self.snapshot.pinned(key)
                     writes.append(swapper.write(key, source))
             for future in writes:
                 future.result()
-        torch.save({"step": step, "extra": extra, "rng": rng, "layout": layout, "optimizer": _settings(opt),
-                    "model": _model_tensors(self.model, opt)}, path / "meta.pt")
+        torch.save({"step": step, "extra": extra, "rng": rng, "layout": layout,
+                    "optimizer": _settings(opt, self.snapshot),
+                    "model": _model_tensors(self.model, opt, self.snapshot)}, path / "meta.pt")
         fsync_path(path / "meta.pt")
         self._captured.set()
         return time.perf_counter() - started
@@ -206,20 +217,104 @@ def load(path, model: torch.nn.Module, opt) -> tuple[int, dict]:
 
 
 # the pieces ----------------------------------------------------------------------------------------------
-def _settings(opt) -> dict:
-    """What opt.state_dict() holds besides the per-parameter tensors (written from the live buffers instead)."""
+class Snapshot:
+    """Copies of device tensors in pinned host memory, taken on a side stream without blocking the host.
+
+        snapshot = Snapshot(dev)
+        snapshot.take({"model/wte.weight": tensor, ...})   # training thread: queued after the compute issued so far
+        snapshot.wait()                                    # writer thread: the copies have landed
+        snapshot.pinned(key), snapshot.host(key, tensor)   # the copy (a host tensor as it is)
+
+    One pinned buffer per key, made at its first `take` and reused by every later one (a new one only if the tensor's
+    shape or dtype changed): the caller must be done reading the last snapshot before it takes the next."""
+
+    def __init__(self, dev):
+        self.dev = dev
+        self.stream = dev.stream("checkpoint d2h")
+        self.buffers: dict[str, torch.Tensor] = {}  # key -> pinned host buffer, the tensor's shape and dtype
+        self._copied = None  # event after the last take's copies
+        self._taken: set[str] = set()
+
+    def take(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Queue a copy of each device tensor among `tensors` into its pinned buffer; returns at once."""
+        on_device = {key: t for key, t in tensors.items() if self.dev.is_device(t)}
+        self._taken, self._copied = set(on_device), None
+        if not on_device:
+            return
+        # the step's updates (the kept AdamW, the hybrid path, a delayed update's uploads: step() made the compute
+        # stream wait for those) are done before these copies read
+        self.dev.stream_waits_for_compute(self.stream)
+        for key, tensor in on_device.items():
+            buffer = self.buffers.get(key)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                buffer = self.buffers[key] = self.dev.host_empty(tuple(tensor.shape), tensor.dtype)
+            self.dev.copy(buffer, tensor.detach(), self.stream, name="d2h checkpoint")
+        self._copied = self.dev.event()
+        self._copied.record(self.stream)
+
+    def wait(self) -> None:
+        """Block until the last take's copies have landed (any thread)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def pinned(self, key: str) -> torch.Tensor:
+        """The pinned buffer holding the last take's copy of `key` (call `wait` first)."""
+        if key not in self._taken:
+            raise RuntimeError(f"the checkpoint needs {key!r} from the device, and save() did not snapshot it: "
+                               "_device_state must list every device tensor the writer reads")
+        self.dev.uses(f"the checkpoint writer reading the snapshot of {key!r}", reads=[self.buffers[key]])  # strict sim
+        return self.buffers[key]
+
+    def host(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A compact host copy of `tensor`: of its snapshot when it is a device tensor, else of itself."""
+        if self.dev.is_device(tensor):
+            return self.pinned(key).clone()
+        return tensor.detach().to("cpu", copy=True)
+
+
+def _device_state(model: torch.nn.Module, opt) -> dict[str, torch.Tensor]:
+    """What a checkpoint may read from the device, by the keys `_settings` and `_model_tensors` look up: the model's
+    tensors that are not offloaded parameters (with a delayed update, all of them: which are unsent is known only once
+    the update in flight has joined), the kept parameters' AdamW state and the resident subgroups' state."""
+    tensors = {}
+    maybe_unsent = opt.delayed is not None
+    offloaded = {id(p) for p in opt.packing.slots}
+    params = dict(model.named_parameters())
+    for name, tensor in model.state_dict().items():
+        if maybe_unsent or not (name in params and id(params[name]) in offloaded):
+            tensors[f"model/{name}"] = tensor
+    if opt.kept_optimizer is not None:
+        for index, entry in opt.kept_optimizer.state_dict()["state"].items():
+            for name, value in entry.items():
+                if torch.is_tensor(value):
+                    tensors[f"kept/{index}/{name}"] = value
+    for index, sub in enumerate(opt.subgroups):
+        if sub.where != Where.CPU:
+            tensors.update({f"subgroup{index}/{name}": sub.buffers[name] for name in STATE})
+    return {key: tensor for key, tensor in tensors.items() if opt.dev.is_device(tensor)}
+
+
+def _settings(opt, snapshot: Snapshot) -> dict:
+    """What opt.state_dict() holds besides the per-parameter tensors (written from the live buffers instead); the
+    kept parameters' AdamW state from the snapshot."""
     slots = list(opt.packing.slots.values())
+    settings = engine_state.settings(opt)
+    if settings["kept"] is not None:
+        state = settings["kept"]["state"]
+        for index, entry in state.items():
+            state[index] = {name: snapshot.host(f"kept/{index}/{name}", value) if torch.is_tensor(value) else value
+                            for name, value in entry.items()}
     return {"steps": [slot.step for slot in slots], "shapes": [tuple(slot.param.shape) for slot in slots],
-            "state_dict": engine_state.settings(opt)}
+            "state_dict": settings}
 
 
-def _model_tensors(model: torch.nn.Module, opt) -> dict:
+def _model_tensors(model: torch.nn.Module, opt, snapshot: Snapshot) -> dict:
     """The model's state dict without the offloaded parameters (their masters are the checkpoint's); a delayed
     update's unsent parameters are kept: their weights on the device are one update behind their masters."""
     unsent = {id(slot.param) for slot in opt.delayed.unsent} if opt.delayed else set()
     offloaded = {id(p) for p in opt.packing.slots if id(p) not in unsent}
     params = dict(model.named_parameters())
-    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()
+    return {name: snapshot.host(f"model/{name}", tensor) for name, tensor in model.state_dict().items()
             if not (name in params and id(params[name]) in offloaded)}
 
 

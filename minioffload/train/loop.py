@@ -14,6 +14,10 @@ warm up) is left out of the means when there is more than one.
 
 Writes out_dir/trace.json (Perfetto), loss.csv and summary.json.
 
+On a GPU the host runs ahead of the device through a step's micro-batches: each goes up from a pinned buffer on a copy
+stream (train/batches.py; the sim's compute reads the drawn tensors as they are), and the loss is read once per step,
+after the update is queued, never per micro-batch.
+
 With `params_on="host"` or `"nvme"` the blocks' weights are streamed (chapter 8, model/streaming.py): they live in
 pinned host memory or in nvme_dir/weights and come up block by block, `prefetch` blocks ahead, so a model several
 times the (sim) device's `device_memory` trains.
@@ -25,7 +29,7 @@ draw, so N ranks give that one process's weights. Rank 0 writes loss.csv, summar
 bytes) and trace.json; rank r > 0 writes trace_rank<r>.json. `checkpoint_dir` saves the run at its end with
 torch.distributed.checkpoint (train/checkpoint.py); `resume` continues one, on any number of ranks.
 
-What this is not: a tuned trainer (no LR schedule, no checkpoints, no mixed-precision autocast: "bf16"
+What this is not: a tuned trainer (no LR schedule, no mixed-precision autocast: "bf16"
 casts the model's parameters, and OffloadAdam keeps fp32 masters on the host).
 """
 
@@ -54,6 +58,7 @@ from ..nvme.swapper import Swapper
 from ..options import OffloadOptions, Placement, check_run
 from ..paths import usable_directory
 from . import checkpoint, checkpoint_async
+from .batches import BatchUploads
 from .report import PHASES, format_summary, step_phases, summarize
 
 DEVICES = ("auto", "sim", "cuda")
@@ -199,6 +204,16 @@ def _val_loss(model: GPT, val_batches: list[tuple[torch.Tensor, torch.Tensor]]) 
         model.train(was_training)
 
 
+def _mean_loss(losses: list[torch.Tensor]) -> float:
+    """The mean of the micro-batches' losses, read from the device in one copy (one wait for it per step). The sum
+    is taken on the host, in float64 and in order, as `float(loss) / n` added one by one always was, so the loop's
+    numbers do not change (a sum on the device, in the loss's dtype, would round differently)."""
+    total = 0.0
+    for value in torch.stack(losses).tolist():
+        total += value / len(losses)
+    return total
+
+
 def config_layers(config: TrainConfig) -> int:
     return GPTConfig.preset(config.model, 1, block_size=config.block_size).n_layer
 
@@ -339,17 +354,19 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard=None)
     lazy_writer = None
     if config.checkpoint_every is not None:
         lazy_writer = checkpoint_async.AsyncCheckpointer(config.checkpoint_dir, model, opt)
+    uploads = BatchUploads(dev, config.grad_accum)  # pinned, copied up on a stream (the sim: used as drawn)
     dev.synchronize()
     for step in bar:
         first_span, start = len(dev.trace.spans), dev.trace.now()
-        step_loss = 0.0
         drawn = [batches(train_tokens, config.block_size, config.batch_size, data_gen)
                  for _ in range(config.grad_accum * world)]  # every rank draws all, and trains on its own
+        uploads.send(drawn[rank * config.grad_accum:(rank + 1) * config.grad_accum])
+        micro_losses = []  # on the device: read once, at the step's end, so the host never waits for a forward
         for micro in range(config.grad_accum):
-            x, y = (dev.to_device(t) for t in drawn[rank * config.grad_accum + micro])
+            x, y = uploads.get(micro)
             _, loss = dev.timed("forward", lambda x=x, y=y: model(x, y))
             dev.timed("backward", lambda loss=loss: (loss / config.grad_accum).backward())
-            step_loss += float(loss.detach()) / config.grad_accum
+            micro_losses.append(loss.detach())
             if not config.offload and micro == config.grad_accum - 1:
                 for p in params:  # the baseline holds its gradients on the device: count them
                     if p.grad is not None:
@@ -371,6 +388,7 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard=None)
         opt.zero_grad(set_to_none=True)
         if lazy_writer is not None and (step % config.checkpoint_every == 0 or step == config.steps):
             lazy_writer.save(step, extra={"step": step, "data_rng": bytes(data_gen.get_state().tolist())})
+        step_loss = _mean_loss(micro_losses)
         if shard is not None:
             step_loss = shard.mean(step_loss)
         if step == config.steps and isinstance(opt, OffloadAdam):

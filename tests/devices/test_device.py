@@ -102,7 +102,7 @@ def test_event_timestamps_are_monotonic_along_a_stream(dev):
     events = []
     for _ in range(10):
         dev.launch(stream, lambda: x.add_(1))
-        events.append(dev.event())
+        events.append(dev.event(timing=True))
         events[-1].record(stream)
     dev.synchronize()
     gaps = [a.elapsed_ms(b) for a, b in zip(events, events[1:], strict=False)]

@@ -87,6 +87,14 @@ CASES = {  # name: (what to plant, the run that needs it, what the error names)
     "activation's backward waits for its prefetch": (
         (SimDevice, "compute_waits_for", Activations._unpack), {"activations": "offload"},
         r"block \d's backward reads device tensor 'activation \d#\d+' .* 'h2d activation \d' on stream"),
+    "activation's prefetch waits for compute (its memory may be what a queued backward freed)": (
+        (SimDevice, "stream_waits_for_compute", Activations._fetch), {"activations": "offload"},
+        r"the h2d copy 'h2d activation \d' on stream 'activations h2d' writes device tensor 'activation \d#\d+' "
+        r".* which the compute stream allocated after work this stream has not waited for"),
+    "streamed block's fetch waits for compute (its memory may be what a queued block freed)": (
+        (SimDevice, "stream_waits_for_compute", ParamStreamer._land), {"stream": True},
+        r"the h2d copy 'h2d block \d' on stream 'stream weights h2d' writes device tensor 'streamed block \d#\d+' "
+        r".* which the compute stream allocated after work"),
     "activation's prefetch waits for its offload": (
         (SimStream, "wait", Activations._fetch), {"activations": "offload"},
         r"the h2d copy 'h2d activation \d' on stream .* reads pinned host buffer .* 'd2h activation \d'"),
@@ -117,4 +125,50 @@ def test_the_uses_compute_declares_are_what_it_waited_for(sim):
         sim.copy(dst, src, h2d)
     sim.stream_waits_for_compute(h2d)
     sim.copy(dst, src, h2d)
+    sim.synchronize()
+
+
+def test_a_lagging_gpu_lets_only_compute_use_memory_it_just_handed_out(sim):
+    """With compute work not yet waited for, fresh device memory may be what that work freed (a caching allocator
+    hands it out at once): a copy stream writing it must wait for compute first. Once the host has waited for the
+    whole device, nothing compute queued can still use it."""
+    h2d, src = sim.stream("h2d"), sim.host_empty(4).fill_(1.0)
+    old = sim.empty(4)
+    sim.uses("a block's backward", reads=[old])  # compute work the host has not waited for
+    del old
+    new = sim.empty(4)
+    with pytest.raises(HazardError, match=r"the h2d copy 'h2d' on stream 'h2d' writes device tensor .* which the "
+                                          r"compute stream allocated after work this stream has not waited for"):
+        sim.copy(new, src, h2d)
+    sim.stream_waits_for_compute(h2d)
+    sim.copy(new, src, h2d)
+    sim.synchronize()
+    fresh = sim.empty(4)  # compute is done: nothing queued can use it
+    sim.copy(fresh, src, h2d)
+    sim.synchronize()
+
+
+def test_without_lags_the_checker_lets_a_side_stream_write_fresh_memory():
+    with device("sim", strict=True, lags=False) as dev:
+        h2d, src = dev.stream("h2d"), dev.host_empty(4).fill_(1.0)
+        dev.uses("a block's backward", reads=[dev.empty(4)])
+        dev.copy(dev.empty(4), src, h2d)
+        dev.synchronize()
+    with pytest.raises(ValueError, match="pass strict=True"):
+        device("sim", strict=False, lags=True)
+
+
+def test_a_compute_wait_orders_compute_not_the_host(sim):
+    """On a GPU `compute_waits_for(event)` makes queued compute wait, and the host runs on: the host may refill the
+    copy's pinned source only once it has waited itself."""
+    h2d, landed = sim.stream("h2d"), sim.event()
+    dst, src = sim.empty(4), sim.host_empty(4).fill_(1.0)
+    sim.copy(dst, src, h2d)
+    landed.record(h2d)
+    sim.compute_waits_for(landed)
+    sim.uses("a block's forward", reads=[dst])  # compute reads what landed
+    with pytest.raises(HazardError, match=r"the host refilling it writes pinned host buffer .* 'h2d' on stream"):
+        sim.uses("the host refilling it", writes=[src])
+    landed.synchronize()
+    sim.uses("the host refilling it", writes=[src])
     sim.synchronize()

@@ -1,12 +1,15 @@
 """Bucketed gradient copies, one upload per subgroup and the speculative update (issue 19) change when work runs, never
 what it computes: every run here must end with weights bit for bit those of the plain synchronous OffloadAdam."""
 
+import threading
 
+import numba
 import pytest
 import torch
-from helpers import HYPER, Toy, batch, loss_of, on_sim
+from helpers import HYPER, Toy, batch, keep_gpu_busy, loss_of, on_sim
 
 from minioffload.devices import device
+from minioffload.engine import speculative
 from minioffload.engine.optimizer import OffloadAdam
 
 PLAIN = {}
@@ -207,10 +210,40 @@ def test_on_cuda_every_variant_trains_like_the_synchronous_step(variant):
             opt = OffloadAdam(model.parameters(), dev, subgroup_numel=300, max_grad_norm=1.0, **options, **HYPER)
             for step in range(3):
                 idx, targets = (t.cuda() for t in batch(step))
+                keep_gpu_busy()  # the GPU lags the host: a copy or an update not ordered after compute goes wrong
                 loss_of(model, idx, targets, use_side=step % 2 == 0).backward()
+                keep_gpu_busy()
                 opt.step()
                 opt.zero_grad()
             dev.synchronize()
             results.append([p.detach().cpu() for p in model.parameters()])
     for a, b in zip(*results, strict=True):  # embedding backward may sum in another order on a GPU: not bitwise
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_worker_runs_with_the_numba_threads_of_the_thread_that_steps(monkeypatch):
+    """Numba's thread count is per thread. Lowered on the training thread, it must reach the worker even when
+    backward's hooks run on another thread (on a GPU, autograd's device thread, where Numba has its default)."""
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs Numba's default thread count above one")
+    seen = []
+    adam = speculative.adam_fused_into
+    monkeypatch.setattr(speculative, "adam_fused_into",
+                        lambda *args, **kwargs: (seen.append(numba.get_num_threads()), adam(*args, **kwargs)))
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        with device("sim") as dev:
+            model = on_sim(Toy(), dev)
+            opt = OffloadAdam(model.parameters(), dev, subgroup_numel=600, speculative=True, **HYPER)
+            for step in range(2):
+                loss = loss_of(model, *batch(step))
+                backward = threading.Thread(target=loss.backward)  # hooks on a thread at Numba's default
+                backward.start()
+                backward.join()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        numba.set_num_threads(before)
+    assert seen and set(seen) == {1}, f"the speculative Adam ran with {sorted(set(seen))} Numba threads, not 1"

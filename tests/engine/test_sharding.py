@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +20,7 @@ from ranks import run_ranks
 
 from minioffload.devices import device
 from minioffload.engine.optimizer import OffloadAdam
-from minioffload.engine.sharding import Shard
+from minioffload.engine.sharding import Shard, WeightGather
 from minioffload.layout import shard_owners
 from minioffload.model.gpt import GPT, GPTConfig
 from minioffload.model.streaming import ParamStreamer
@@ -125,6 +126,163 @@ def test_bf16_weights_agree_within_rounding():
     for got, want in zip(out[0]["masters"], masters, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
     assert equal(out[0]["params"], out[1]["params"])  # every rank holds the same weights
+
+
+# every rank reduces in one order, whatever order its gradients complete in ----------------------------------
+class RecordingShard:
+    """A Shard of rank 0 of 2 that owns no subgroup and records the reduces it is asked for (no other rank)."""
+
+    rank, world = 0, 2
+
+    def __init__(self):
+        self.reduced: list[int] = []
+
+    def check_same(self, settings):
+        pass
+
+    def assign(self, sizes):
+        self.owners = [1] * len(sizes)
+        return self.owners
+
+    def reduce(self, flat, index):
+        self.reduced.append(index)
+
+    def gather_ints(self, values, what):
+        return [values, values]  # both ranks alike
+
+
+class Chain(torch.nn.Module):
+    """Square layers applied in any order, or some not at all: the order their gradients complete in follows."""
+
+    def __init__(self, layers=4, width=8):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
+
+    def forward(self, x, order):
+        for k in order:
+            x = torch.tanh(self.layers[k](x))
+        return x.sum()
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2], [0, 1, 3]],
+                         ids=["forward", "reversed", "shuffled", "one unused"])
+def test_reduces_go_last_subgroup_first_whatever_order_gradients_complete_in(sim, order):
+    torch.manual_seed(0)
+    model = sim.place(Chain())
+    shard = RecordingShard()
+    OffloadAdam(model.parameters(), sim, shard=shard, subgroup_numel=64, **HYPER)  # one layer per subgroup
+    for _ in range(2):  # two micro-batches: each backward reduces every subgroup once
+        model(torch.randn(3, 8), order).backward()
+    assert shard.reduced == [3, 2, 1, 0, 3, 2, 1, 0]
+
+
+class NoGradientFor(torch.autograd.Function):
+    """Passes x on and gives `weight` an undefined gradient: autograd reaches its accumulation (its hook runs) but
+    sets no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("a failure midway through backward")
+
+
+def test_a_parameter_reached_with_no_gradient_takes_its_turn_with_zeros(sim):
+    torch.manual_seed(0)
+    model = sim.place(Chain())
+    shard = RecordingShard()
+    opt = OffloadAdam(model.parameters(), sim, shard=shard, subgroup_numel=64, **HYPER)
+    x = torch.tanh(model.layers[0](torch.randn(3, 8)))
+    model(NoGradientFor.apply(x, model.layers[1].weight), [2, 3]).backward()
+    assert shard.reduced == [3, 2, 1, 0]
+    opt.sharded.reduce_the_rest(opt.kept)
+    assert [slot.has_grad for slot in opt.packing.slots.values()] == [True, False, True, True]
+
+
+def test_subgroups_left_waiting_by_a_failed_backward_are_reduced_in_turn_before_the_next(sim):
+    torch.manual_seed(0)
+    model = sim.place(Chain())
+    shard = RecordingShard()
+    opt = OffloadAdam(model.parameters(), sim, shard=shard, subgroup_numel=64, **HYPER)
+    x = torch.tanh(model.layers[1](torch.tanh(model.layers[0](torch.randn(3, 8)))))
+    with pytest.raises(ValueError, match="midway"):
+        model(FailsInBackward.apply(x), [2, 3]).backward()
+    assert shard.reduced == [3, 2]  # subgroups 1 and 0 wait for gradients that never come
+    model(torch.randn(3, 8), [3, 2, 1, 0]).backward()  # its first gradient is for a subgroup still waiting
+    opt.sharded.reduce_the_rest(opt.kept)
+    assert shard.reduced == [3, 2, 1, 0, 3, 2, 1, 0]
+    assert all(slot.has_grad for slot in opt.packing.slots.values())
+
+
+def side_on_rank_zero(rank, world, steps, options):
+    """Rank 0's batches use Toy's side branch, rank 1's never: its gradients complete in another order, and some
+    parameters get a gradient on rank 0 only."""
+    with device("sim", jitter=2e-4, seed=rank) as dev:
+        model, opt = make(dev, Shard(timeout_s=20), **options)
+        for step in range(steps):
+            opt.scale_loss(loss_of(model, *batch(100 * step + rank), use_side=rank == 0)).backward()
+            opt.step()
+            opt.zero_grad()
+        dev.synchronize()
+        return {"masters": [m.clone() for m in opt.master_weights()],
+                "params": [p.detach().clone() for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("options", [{}, {"min_offload_numel": 20}])  # 20: side.bias stays on the device
+def test_a_parameter_unused_on_one_rank_trains_as_in_one_process(options):
+    out = run_ranks(side_on_rank_zero, 2, 2, options, timeout_s=20)  # out of step, the ranks would time out
+    with device("sim") as dev:
+        model, opt = make(dev, **options)
+        for step in range(2):
+            for micro in range(2):
+                opt.scale_loss(loss_of(model, *batch(100 * step + micro), use_side=micro == 0) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        masters, params = opt.master_weights(), [p.detach().clone() for p in model.parameters()]
+    for rank in range(2):
+        assert equal(out[rank]["masters"], masters), f"rank {rank}'s masters differ from one process's"
+        assert equal(out[rank]["params"], params), f"rank {rank}'s weights differ from one process's"
+
+
+# NCCL broadcasts: the host does not poll them ----------------------------------------------------------------
+class FakeWork:
+    def __init__(self):
+        self.waits: list[tuple] = []
+
+    def wait(self, *timeout) -> bool:
+        self.waits.append(timeout)
+        return True
+
+
+@pytest.mark.parametrize("backend, device_wait", [("nccl", ()), ("gloo", (timedelta(seconds=7),))])
+def test_device_broadcasts_on_nccl_are_waited_for_without_a_timeout(sim, monkeypatch, backend, device_wait):
+    """work.wait(timeout) on NCCL makes the host poll until the collective ends; work.wait() only makes the stream
+    wait. gloo (and the host group) keep the timeout: there the wait is where a failure is raised."""
+    works: list[FakeWork] = []
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda *args, **kwargs: works.append(FakeWork()) or works[-1])
+    shard = Shard.__new__(Shard)  # without a process group
+    shard.rank, shard.world, shard.owners, shard.backend = 0, 2, [1, 1], backend
+    shard.group = shard.host_group = torch.distributed.group.WORLD
+    shard.timeout, shard.net_bytes = timedelta(seconds=7), 0
+    written = []
+    gather = WeightGather(shard, sim, lambda slots, flat: written.append(slots), in_flight=4)
+    gather.receive(0, 8, torch.float32, "on the device")
+    gather.receive(1, 8, torch.float32, "at home", on_host=True)
+    gather.finish()
+    assert [work.waits for work in works] == [[device_wait], [(timedelta(seconds=7),)]]
+    assert written == ["on the device", "at home"]
 
 
 # streamed weights: every rank keeps the whole weights at home; the optimizer is sharded ----------------------

@@ -3,6 +3,7 @@ over the link and back ahead of their block; bad input is refused before anythin
 
 import pytest
 import torch
+from helpers import keep_gpu_busy
 
 from minioffload.devices import device
 from minioffload.model.activations import POLICIES, Activations
@@ -130,18 +131,68 @@ def test_a_pool_too_small_names_the_fix():
         assert not acts._waiting  # nothing left waiting for a backward that never comes: the next forward starts clean
 
 
+class _DeviceDropoutBlock(torch.nn.Module):
+    """A block whose dropout draws on the device's own generator, as dropout on a GPU does (not the CPU's)."""
+
+    def __init__(self, dev, width=64):
+        super().__init__()
+        self.dev, self.fc = dev, torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        keep = torch.bernoulli(torch.full_like(x, 0.5), generator=self.dev.generator)
+        return torch.tanh(self.fc(x * keep * 2.0))
+
+
+@pytest.mark.parametrize("policy", ["offload_input", "offload"])
+def test_a_recomputed_block_replays_the_device_dropout_of_its_forward(policy):
+    """offload_input runs each block again in backward: it must restore the device's random state (the one GPU
+    dropout draws on), not only the CPU's, or the replay draws other masks and the gradients are wrong."""
+    def grads(name):
+        torch.manual_seed(0)
+        with device("sim", seed=3) as dev:
+            blocks = torch.nn.ModuleList(_DeviceDropoutBlock(dev) for _ in range(3))
+            dev.place(blocks)
+            acts = Activations(blocks, name, dev, min_numel=1)
+            x = torch.randn(8, 64)
+            for block in blocks:
+                x = block(x)
+            x.square().sum().backward()
+            dev.synchronize()
+            acts.remove()
+            return [p.grad.clone() for p in blocks.parameters()]
+
+    kept, other = grads("keep"), grads(policy)
+    assert all(torch.equal(a, b) for a, b in zip(kept, other, strict=True))
+
+
+def test_saved_tensors_off_the_device_are_left_alone(sim):
+    """Fused attention saves 0-dim CPU tensors (its random seed) even on a GPU: the offload hook leaves a tensor that
+    is not on the device's torch device as it is, adopting nothing."""
+    block = torch.nn.Linear(4, 4)
+    acts = Activations([block], "offload", sim, min_numel=0)
+    elsewhere = torch.zeros((), device="meta")
+    before = sim.ledger.used("device")
+    assert acts._pack(0, elsewhere, force=True) is elsewhere
+    assert sim.ledger.used("device") == before and not acts._waiting
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("policy", [p for p in POLICIES if p != "keep"])
-def test_on_cuda_every_policy_trains_like_keep(policy):
+def test_on_cuda_every_policy_trains_like_keep_with_dropout_and_a_lagging_gpu(policy):
+    """Dropout on (recomputation must replay the GPU's random draws; fused attention saves CPU tensors), a bounded
+    pool, and the GPU kept busy so the host runs ahead: a prefetch into memory a queued backward still uses, or a
+    read before its copy has landed, changes the gradients."""
     def run(name):
         torch.manual_seed(0)
-        model = tiny_gpt()
+        torch.cuda.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layer=3, n_head=2, n_embd=32, dropout=0.1))
         with device("cuda") as dev:
             dev.place(model)
-            acts = Activations(model.blocks, name, dev, min_numel=1)
+            acts = Activations(model.blocks, name, dev, min_numel=1, pool_bytes=64 << 20)
             for step in range(2):
                 x, y = (dev.to_device(t) for t in batch(step))
+                keep_gpu_busy()
                 model(x, y)[1].backward()
             dev.synchronize()
             acts.remove()

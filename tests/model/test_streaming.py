@@ -3,8 +3,10 @@ streamed training equals unstreamed training, within its budget, on the strict s
 
 import pytest
 import torch
+from helpers import keep_gpu_busy
 from torch import nn
 
+from minioffload.devices import device
 from minioffload.devices.sim import SimDevice
 from minioffload.engine.optimizer import OffloadAdam
 from minioffload.model.activations import POLICIES, Activations
@@ -239,3 +241,39 @@ def test_streaming_refuses_delayed_and_hybrid_updates():
         for option in ({"delay_updates_after": 1}, {"gpu_fraction": 0.5}):
             with pytest.raises(ValueError, match="streamed weights .* take the synchronous CPU update only"):
                 OffloadAdam(model.parameters(), dev, streamer=streamer, **option)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("home", ["host", "nvme"])
+def test_on_cuda_streaming_trains_like_resident_weights_with_a_lagging_gpu(home, tmp_path):
+    """The GPU kept busy so the host runs ahead: a block copied up into memory a queued kernel still uses, or used
+    before its copy landed, or a bounce buffer reused under a copy, changes the losses and the weights."""
+    def run(streamed):
+        model = _model().cuda()
+        with device("cuda") as dev, Swapper(tmp_path / f"{home}{streamed}", direct=False) as swapper:
+            if streamed:
+                streamer = ParamStreamer(model, dev, prefetch=1, home=home,
+                                         swapper=swapper if home == "nvme" else None)
+            else:
+                streamer = dev.place(model) and None
+            opt = OffloadAdam(model.parameters(), dev, lr=1e-2, subgroup_numel=3000, max_grad_norm=1.0,
+                              streamer=streamer)
+            losses = []
+            for x, y in _batches(4):
+                keep_gpu_busy()
+                _, loss = model(x.cuda(), y.cuda())
+                loss.backward()
+                keep_gpu_busy()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+            dev.synchronize()
+            return torch.stack(losses).cpu(), [m.clone() for m in opt.master_weights()]
+
+    (tmp_path / f"{home}True").mkdir()
+    (tmp_path / f"{home}False").mkdir()
+    resident, streamed = run(False), run(True)
+    torch.testing.assert_close(streamed[0], resident[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(streamed[1], resident[1], strict=True):  # embedding backward sums in any order on a GPU
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

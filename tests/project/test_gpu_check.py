@@ -25,14 +25,41 @@ def test_only_files_with_gpu_tests_are_collected():
 
 def test_the_plan_fits_the_budget_and_runs_only_gpu_benchmarks():
     steps = gpu_check.plan(cuda=True)
-    assert sum(limit for _, _, limit in steps) + gpu_check.TORCHAO_LIMIT_S <= gpu_check.BUDGET_S
-    runs = ("gpu tests", "doctor", "sharded train (NCCL)")
-    benches = [Path(argv[1]).stem for name, argv, _ in steps if name not in runs]
-    assert benches == list(gpu_check.BENCHES) and "adam" not in benches and "step_model" not in benches
-    assert all("--quick" in argv for name, argv, _ in steps if name not in runs)
+    assert sum(limit for _, _, limit in steps) + gpu_check.TORCHAO_LIMIT_S == gpu_check.budget_s() <= gpu_check.BUDGET_S
+    assert gpu_check.BUDGET_S <= 7 * 60
+    names = [name for name, _, _ in steps]
+    assert names[:3] == ["gpu tests", "sharded train (NCCL)", "doctor"]  # correctness first, then the benchmarks
+    benches = {Path(argv[1]).stem: argv for name, argv, _ in steps if name not in names[:3]}
+    assert list(benches) == list(gpu_check.BENCHES) and "adam" not in benches and "step_model" not in benches
+    for name, argv in benches.items():
+        assert "--quick" in argv
+        if name in gpu_check.TAKES_DEVICE:
+            assert argv[argv.index("--device") + 1] == "cuda"
+        else:
+            assert "--device" not in argv
     sharded = next(argv for name, argv, _ in steps if name == "sharded train (NCCL)")
     assert "torch.distributed.run" in sharded and "--shard" in sharded
     assert sharded[sharded.index("--device") + 1] == "cuda"
+    tests = steps[0][1]
+    assert f"faulthandler_timeout={gpu_check.FAULTHANDLER_S}" in tests
+    assert gpu_check.FAULTHANDLER_S < gpu_check.TEST_LIMIT_S
+
+
+def test_no_tests_collected_fails_on_a_gpu_only():
+    row = {"step": "gpu tests", "exit": 5}
+    assert gpu_check.step_failed(row, cuda=True) and not gpu_check.step_failed(row, cuda=False)
+    assert not gpu_check.step_failed({"step": "hybrid", "exit": "skipped: needs CUDA"}, cuda=False)
+    assert gpu_check.step_failed({"step": "doctor", "exit": "timeout"}, cuda=False)
+
+
+def test_every_feature_of_chapters_2_to_11_has_a_cuda_test_or_run():
+    covered = gpu_check.coverage(gpu_check.collected_gpu_tests())
+    assert sorted(covered) == list(range(2, 12))
+    missing = [(chapter, feature) for chapter, features in covered.items() for feature, target in features.items()
+               if target is None]
+    assert not missing
+    # a target that names no test is caught, not taken as covered
+    assert gpu_check.coverage([])[7]["every activation policy, dropout, a pool, GPU lagging"] is None
 
 
 @pytest.mark.slow

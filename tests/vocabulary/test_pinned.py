@@ -142,3 +142,57 @@ def test_a_buffer_freed_while_the_registry_lock_is_held_does_not_deadlock():
     worker = threading.Thread(target=free_inside_the_lock, daemon=True)
     worker.start()
     assert done.wait(5), "freeing a pinned buffer inside the registry lock deadlocked"
+
+
+# with CUDA: our own memory, page-locked for exactly its size (a fake cudart here; the GPU test is in
+# tests/devices/test_cuda_backend.py) ----------------------------------------------------------------------------
+class FakeCudart:
+    """torch.cuda.cudart() stand-in: records page-locking calls; `refuse` makes cudaHostRegister fail."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.refuse = False
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
+        self.calls.append(("register", address, nbytes, flags))
+        return 2 if self.refuse else 0  # cudaErrorMemoryAllocation
+
+    def cudaHostUnregister(self, address: int) -> int:
+        self.calls.append(("unregister", address))
+        return 0
+
+
+@pytest.fixture
+def fake_cudart(monkeypatch):
+    from minioffload import pinned
+
+    cudart = FakeCudart()
+    monkeypatch.setattr(pinned, "_cuda", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)  # torch's own answer on a CPU-only build
+    return cudart
+
+
+def test_with_cuda_a_pinned_buffer_is_locked_for_its_exact_size_and_unlocked_with_its_last_view(fake_cudart):
+    import gc
+
+    buffer = aligned_empty(10_000)  # torch's pinned allocator would take 16 KiB
+    address = buffer.data_ptr()
+    assert address % ALIGNMENT == 0 and fake_cudart.calls == [("register", address, 10_000, 0)]
+    assert is_pinned(buffer) and is_pinned(buffer[5000:])
+    view = buffer[100:].view(torch.int16)
+    del buffer
+    gc.collect()
+    assert len(fake_cudart.calls) == 1  # a view still uses the memory
+    del view
+    gc.collect()
+    assert fake_cudart.calls[1:] == [("unregister", address)]
+    aligned_empty(8192, pin=False)
+    assert len(fake_cudart.calls) == 2  # pageable: never locked
+
+
+def test_with_cuda_a_buffer_that_cannot_be_locked_is_a_clear_error(fake_cudart):
+    fake_cudart.refuse = True
+    with pytest.raises(RuntimeError, match=r"could not page-lock 4096 bytes .*`ulimit -l`"):
+        aligned_empty(4096)
+    assert [call[0] for call in fake_cudart.calls] == ["register"]  # nothing to unlock

@@ -189,6 +189,7 @@ class Comm:
             self._rendezvous.call(self._rank, _Call(op, root, tuple(tensors)))
             return
         reads = tensors[1:] if op == "all_gather_into_tensor" else tensors
+        dev.hazards.stream_waits_for_host(stream)  # runs in compute's order, after its waits
         clock = dev.hazards.issue(stream)
         try:
             dev.hazards.access(stream, clock, list(reads), [], f"the {op}")

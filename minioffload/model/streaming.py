@@ -98,6 +98,7 @@ class ParamStreamer:
         self._writing: dict[int, torch.Tensor] = {}  # nvme: block index -> its new weights, being assembled
         self._written: dict[int, set[int]] = {}  # nvme: block index -> which of its parameters are in
         self._writes: list = []  # nvme: (future, buffer) of blocks being written home
+        self._write_buffers: dict[int, torch.Tensor] = {}  # nvme: block index -> the buffer its new weights go in
         for block in self.blocks:
             self._make_home(block)
         if self.swapper is not None:
@@ -391,13 +392,24 @@ class ParamStreamer:
                 home.copy_(value.view(home.shape))
             return
         if block.index not in self._writing:
-            self._writing[block.index] = self.dev.host_empty(block.numel, block.dtype)
+            self._writing[block.index] = self._write_buffer(block)
             self._written[block.index] = set()
         start = block.offsets[i]
         self._writing[block.index][start:start + param.numel()].copy_(value.reshape(-1))
         self._written[block.index].add(i)
         if len(self._written[block.index]) == len(block.params):
             self._write_home(block)
+
+    def _write_buffer(self, block: _Block) -> torch.Tensor:
+        """The block's host buffer for its new weights, made once and reused by every update (pinned memory is slow to
+        make), once the write that last read it is done."""
+        buffer = self._write_buffers.get(block.index)
+        if buffer is None:
+            buffer = self._write_buffers[block.index] = self.dev.host_empty(block.numel, block.dtype)
+        for future, written in self._writes:
+            if written is buffer:
+                future.result()
+        return buffer
 
     def _write_home(self, block: _Block) -> None:
         """nvme: write the block's new weights; parameters the update did not touch keep what is on the disk."""

@@ -243,6 +243,54 @@ def test_streaming_refuses_delayed_and_hybrid_updates():
                 OffloadAdam(model.parameters(), dev, streamer=streamer, **option)
 
 
+@pytest.mark.parametrize("budget_blocks", [2, 3])
+def test_nvme_bounce_buffers_follow_the_budget_and_the_hooks_never_wait_for_a_copy(tmp_path, monkeypatch,
+                                                                                     budget_blocks):
+    """One bounce buffer per block the budget holds; a buffer comes back once its copy up has landed, asked, not
+    waited for, so a hook never stops the host's run-ahead while a free buffer is left."""
+    from minioffload.devices.sim_streams import SimEvent
+
+    with SimDevice(jitter=1e-4, seed=4) as dev, Swapper(tmp_path, direct=False) as home:
+        model = _model()
+        block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+        streamer = ParamStreamer(model, dev, prefetch=1, home="nvme", swapper=home, budget_bytes=budget_blocks * block)
+        assert len(streamer._bounces) == budget_blocks
+        waits = []
+        real = SimEvent.synchronize
+
+        def counted(event, *args, **kwargs):
+            # a host wait for work not known to be done (query() not asked first, or said no). On the sim the copy has
+            # landed anyway, since compute's own wait blocks the host here (compute runs on it), so it is the call
+            # that is counted: on a GPU the same call would stop the host until the copy lands
+            if not asked.pop(id(event), False):
+                waits.append(event)
+            return real(event, *args, **kwargs)
+
+        asked = {}
+        real_query = SimEvent.query
+
+        def query(event):
+            done = real_query(event)
+            asked[id(event)] = done
+            return done
+
+        monkeypatch.setattr(SimEvent, "query", query)
+
+        opt = OffloadAdam(model.parameters(), dev, lr=1e-2, subgroup_numel=3000, max_grad_norm=1.0, streamer=streamer)
+        losses = []
+        for x, y in _batches(3):
+            monkeypatch.setattr(SimEvent, "synchronize", counted)  # forward and backward: the hooks
+            _, loss = model(x, y)
+            loss.backward()
+            monkeypatch.setattr(SimEvent, "synchronize", real)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        dev.synchronize()
+        assert not waits
+    assert losses == _reference(steps=3)[0]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("home", ["host", "nvme"])

@@ -50,25 +50,32 @@ BENCHES = {"copy_bandwidth": 25, "offload_step": 60, "hybrid": 35, "streaming": 
            "checkpoint": 20}
 TAKES_DEVICE = {"offload_step", "hybrid", "streaming", "activations", "checkpoint"}  # `--device cuda` is passed
 # chapter -> what of it runs on the GPU -> the test (file::name prefix) or step that runs it there
+TRAIN = "tests/train/test_train_cuda.py::test_on_cuda_train_each_feature_as_on_the_sim"
+RESUME = "tests/train/test_checkpoint_async.py::test_on_cuda_a_resumed_train_run_continues_as_the_uninterrupted_one"
 FEATURES = {
     2: {"copies, streams and events": "tests/devices/test_device.py::test_",
+        "pinned buffers of our own, bounded spans, timing events": "tests/devices/test_cuda_backend.py::test_gpu_",
         "copy bandwidth, pinned and pageable": "copy_bandwidth"},
     3: {"the CPU Adam inside an offloaded step": "offload_step"},
     4: {"speculative update and gradient buckets, GPU lagging":
         "tests/engine/test_offload_speculative.py::test_on_cuda_every_variant_trains_like_the_synchronous_step",
-        "train end to end with the offloaded optimizer": "tests/train/test_train_cuda.py::test_on_cuda_train_"},
+        "train end to end with the offloaded optimizer": f"{TRAIN}[offloaded optimizer]",
+        "kept small parameters, one sync per check": "tests/engine/test_device_gradients.py::test_gpu_"},
     5: {"hybrid split, stride and fraction": "tests/engine/test_hybrid.py::test_on_cuda_every_split",
-        "the CuPy Adam kernel": "tests/engine/test_hybrid.py::test_the_cupy_kernel_matches_torch_fused_adamw"},
-    6: {"the optimizer's state on NVMe": "tests/train/test_train_cuda.py::test_on_cuda_train_"},
+        "the CuPy Adam kernel": "tests/engine/test_hybrid.py::test_the_cupy_kernel_matches_torch_fused_adamw",
+        "train end to end with a hybrid update": f"{TRAIN}[hybrid update, dynamic]"},
+    6: {"the optimizer's state on NVMe": f"{TRAIN}[NVMe optimizer tier]"},
     7: {"every activation policy, dropout, a pool, GPU lagging":
         "tests/model/test_activations.py::test_on_cuda_every_policy_trains_like_keep",
         "activation policies timed": "activations"},
     8: {"streamed weights from host and NVMe homes, GPU lagging":
         "tests/model/test_streaming.py::test_on_cuda_streaming_trains_like_resident_weights",
+        "train end to end with weights streamed from NVMe": f"{TRAIN}[streamed weights from NVMe]",
         "streaming timed": "streaming"},
     9: {"the machine probed (CUDA, pinned memory limit)": "doctor"},
     10: {"sharded offload over NCCL": "sharded train (NCCL)"},
-    11: {"async checkpoint and DCP save/resume": "tests/train/test_checkpoint_async.py::test_on_cuda_",
+    11: {"async checkpoint, resumed": f"{RESUME}[lazy async]",
+         "DCP checkpoint, resumed": f"{RESUME}[torch.distributed.checkpoint]",
          "checkpoints timed": "checkpoint"},
 }
 

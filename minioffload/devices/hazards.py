@@ -24,7 +24,9 @@ In strict mode (`SimDevice(strict=True)`) every copy and launch is checked when 
   hands memory compute freed to the next allocation on the compute stream at once, while compute work queued
   before the free may still use it. So device memory the runtime allocates (`dev.empty`, `restore_storage`) while
   compute has work the host has not waited for counts as written by that work: a copy stream that writes it (a
-  prefetch) must first wait for compute (`dev.stream_waits_for_compute`, after the allocation).
+  prefetch) must first wait for compute (`dev.stream_waits_for_compute`, after the allocation). And
+  `dev.compute_waits_for(event)` orders compute only: the host must wait itself (`event.synchronize()`) before it
+  touches host memory the event's work reads or writes.
 
 How "may still" is decided: vector clocks. Each stream counts its ops, and so does compute; an event carries the
 clock of its stream when recorded; `stream.wait(event)` merges it; the host's clock holds what it has waited for

@@ -74,6 +74,7 @@ class _Access:
     what: str
     kept: bool = False  # its memory is kept alive for its stream (record_stream): not handed out before it runs
     storage: int = 0  # compute's uses: the device storage's address (forgotten when that memory is freed)
+    host: bool = False  # of host memory: once freed, its work has run (the sim's queued ops hold their tensors)
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
@@ -97,8 +98,9 @@ def tensors_in(values) -> list[torch.Tensor]:
 class Checker:
     """Vector clocks of the host and of each stream, and the recent accesses to device and pinned memory."""
 
-    def __init__(self, describe, lags: bool = True):
+    def __init__(self, describe, lags: bool = True, on_device=lambda tensor: True):
         self._describe = describe  # tensor -> a name for messages
+        self._on_device = on_device  # tensor -> is it device memory?
         self.lags = lags  # hold the runtime to a GPU that runs behind the host (see the module's docstring)
         self._lock = threading.RLock()  # a tensor that dies while it is held releases its memory here too
         self.host: dict = {}
@@ -160,7 +162,8 @@ class Checker:
                     old.kept = True
 
     def allocated(self, tensor: torch.Tensor, by_runtime: bool = True) -> None:
-        """New device memory: the work its old memory was kept alive for has run (else it would not be free). Memory
+        """New device memory: the work its old memory was kept alive for has run (else it would not be free), and so has
+        the work that used it as host memory (the sim's queued ops hold their host tensors until they run). Memory
         the runtime allocates (`by_runtime`: dev.empty, restore_storage) is the compute stream's: a caching allocator
         hands it memory compute freed, ordered after compute's uses of the old on that stream. With `lags`, while
         compute has work the host has not waited for, the allocation counts as a write by that work (it may still
@@ -169,7 +172,7 @@ class Checker:
         lo, hi = _span(tensor)
         with self._lock:
             self._accesses = [a for a in self._accesses if not (
-                (a.kept or (by_runtime and a.agent == COMPUTE)) and a.lo < hi and lo < a.hi)]
+                (a.kept or a.host or (by_runtime and a.agent == COMPUTE)) and a.lo < hi and lo < a.hi)]
             if self.lags and by_runtime and lo < hi and self.compute > self.host.get(COMPUTE, 0):
                 # compute has work the host has not waited for: the memory may be what that work freed
                 self._accesses.append(_Access(lo, hi, COMPUTE, {COMPUTE: self.compute}, True, ALLOCATION,
@@ -249,4 +252,5 @@ class Checker:
             for tensor, writes_it in new:
                 lo, hi = _span(tensor)
                 if lo < hi:
-                    self._accesses.append(_Access(lo, hi, stream._agent, stamp, writes_it, op))
+                    self._accesses.append(_Access(lo, hi, stream._agent, stamp, writes_it, op,
+                                                  host=not self._on_device(tensor)))

@@ -85,7 +85,8 @@ class SimDevice:
         self.lags = self.strict if lags is None else lags
         if self.lags and not self.strict:
             raise ValueError("lags=True is a rule of the strict hazard checker: pass strict=True too")
-        self.hazards = Checker(self._describe, self.lags) if self.strict else None  # missing waits raise
+        # devices/hazards.py: missing waits raise
+        self.hazards = Checker(self._describe, self.lags, self.is_device) if self.strict else None
         if self.hazards:
             self.memory.on_release = self.hazards.released
         self.ledger = self.memory.ledger

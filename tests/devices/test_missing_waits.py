@@ -172,3 +172,16 @@ def test_a_compute_wait_orders_compute_not_the_host(sim):
     landed.synchronize()
     sim.uses("the host refilling it", writes=[src])
     sim.synchronize()
+
+
+def test_device_memory_at_the_address_of_freed_host_memory_is_new(sim):
+    """A copy's host tensor is held by the queued copy until it runs, so once freed its address holds nothing in
+    flight: device memory handed out there later is new, whatever read it as host memory before (the host has not
+    waited for that copy: only the allocation says it is over)."""
+    h2d, other = sim.stream("h2d"), sim.stream("another")
+    memory = sim.host_empty(4).fill_(1.0)
+    sim.copy(sim.empty(4), memory, h2d)
+    h2d._queue.join()  # the copy has run, and the checker was not told: the host never waited for it
+    sim.adopt(memory)  # the same addresses, now device memory (as if the source had been freed and handed out again)
+    sim.copy(memory, sim.host_empty(4).fill_(2.0), other)
+    sim.synchronize()

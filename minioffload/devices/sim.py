@@ -101,8 +101,6 @@ class SimDevice:
         self._engines = {"h2d": threading.Lock(), "d2h": threading.Lock()}  # one copy engine per direction
         self._engine_free = {"h2d": 0.0, "d2h": 0.0}  # model time each engine finishes its last copy
         self._streams: list[SimStream] = []
-        self._retired: dict[int, list] = {}  # issuing thread -> its finished ops, dropped on that thread
-        self._retired_lock = threading.Lock()
         self._error: tuple[str, BaseException] | None = None
         self.closed = False
         global _open_devices, _saved_switch_interval
@@ -127,22 +125,11 @@ class SimDevice:
         """Wait for all work on all streams; raise the first error any of it hit."""
         for s in self._streams:
             s._queue.join()
-        self._drop_retired()
         if self.hazards:
             for s in self._streams:
                 self.hazards.host_waits(getattr(s, "_clock", {}))
             self.hazards.host_waits_for_compute()
         self._raise_stream_error()
-
-    def _retire(self, issuer: int, op) -> None:
-        with self._retired_lock:
-            self._retired.setdefault(issuer, []).append(op)
-
-    def _drop_retired(self) -> None:
-        """Drop the finished ops this thread issued (their tensors may be freed now, on this thread)."""
-        with self._retired_lock:
-            done = self._retired.pop(threading.get_ident(), None)
-        del done
 
     def _random_delay(self) -> float:
         with self._rng_lock:
@@ -266,7 +253,6 @@ class SimDevice:
         if not event._wait_for(event._target("the compute stream"), 60.0):
             raise TimeoutError("event not reached within 60 s: is its stream waiting on something that never happens?")
         self.hazards.compute_waits(event)
-        self._drop_retired()
         self._raise_stream_error()
 
     def uses(self, what: str, reads=(), writes=()) -> None:
@@ -372,8 +358,6 @@ class SimDevice:
             self.closed = True
             for s in self._streams:
                 s._queue.put(None)
-            with self._retired_lock:
-                self._retired.clear()
             global _open_devices
             with _switch_lock:
                 _open_devices -= 1

@@ -74,7 +74,6 @@ class SimEvent:
         if not self._wait_for(self._target("the host"), timeout):
             raise TimeoutError(f"event not reached within {timeout} s: is its stream waiting on something that "
                                "never happens?")
-        self._dev._drop_retired()
         if self._dev.hazards:
             self._dev.hazards.host_waits(getattr(self, "_clock", {}))
         self._dev._raise_stream_error()
@@ -104,12 +103,11 @@ class SimStream:
         """Queue `op(floor) -> end`: floor is the earliest model time it may start, end its model end."""
         if self._dev.closed:
             raise RuntimeError("this sim device is closed; create a new one")
-        self._dev._drop_retired()
-        self._queue.put((op, time.perf_counter(), threading.get_ident()))
+        self._queue.put((op, time.perf_counter()))
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            op, enqueued, issuer = item
+            op, enqueued = item
             try:
                 # an op starts no earlier than the previous op on this stream ended, nor before it was enqueued
                 floor = max(self._model_time, enqueued)
@@ -120,10 +118,7 @@ class SimStream:
             except BaseException as err:  # reported to the host at its next synchronize
                 self._dev._stream_failed(self.name, err)
             finally:
-                # its tensors die on the thread that issued it (as on CUDA, where only the host holds them), at that
-                # thread's next call: not here, where their weakref callbacks would race the host's own
-                self._dev._retire(issuer, op)
-                item = op = None
+                item = op = None  # drop the op's tensors now, not when the next op arrives
                 self._queue.task_done()
         self._queue.task_done()
 
@@ -141,7 +136,6 @@ class SimStream:
 
     def synchronize(self) -> None:
         self._queue.join()
-        self._dev._drop_retired()
         if self._dev.hazards:
             self._dev.hazards.host_waits(getattr(self, "_clock", {}))
         self._dev._raise_stream_error()

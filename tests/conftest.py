@@ -17,3 +17,18 @@ def sim():
     """A fresh sim device (strict, as the whole suite runs), closed after the test."""
     with device("sim") as dev:
         yield dev
+
+
+@pytest.fixture
+def fake_cudart(monkeypatch):
+    """Pinned memory as on a CUDA machine, with a fake cudart (helpers.FakeCudart) recording what is locked."""
+    import torch
+    from helpers import FakeCudart
+
+    from minioffload import pinned
+
+    cudart = FakeCudart()
+    monkeypatch.setattr(pinned, "_cuda", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)  # torch's own answer on a CPU-only build
+    return cudart

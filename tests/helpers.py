@@ -101,3 +101,24 @@ def keep_gpu_busy(cycles: int = 20_000_000) -> None:
     """Queue a spin on the GPU's current stream (about 10-20 ms): the work the host issues next runs that much later,
     so the host runs ahead of the GPU as it does in real training, and a missing wait reads or writes too early."""
     torch.cuda._sleep(cycles)
+
+
+class FakeCudart:
+    """torch.cuda.cudart() stand-in for pinned memory on a CPU-only machine: records page-locking calls (`calls`)
+    and what is locked (`locked`: address -> bytes); `refuse` makes cudaHostRegister fail."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.locked: dict[int, int] = {}
+        self.refuse = False
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
+        self.calls.append(("register", address, nbytes, flags))
+        if self.refuse:
+            return 2  # cudaErrorMemoryAllocation
+        self.locked[address] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, address: int) -> int:
+        self.calls.append(("unregister", address))
+        return 0 if self.locked.pop(address, None) is not None else 712  # cudaErrorHostMemoryNotRegistered

@@ -151,28 +151,6 @@ def test_a_copy_holds_its_host_tensor_until_the_copy_has_run():
 
 
 # pinned host memory ------------------------------------------------------------------------------------------
-class FakeCudart:
-    """torch.cuda.cudart() stand-in: records page-locking calls."""
-
-    def __init__(self):
-        self.locked: dict[int, int] = {}
-
-    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
-        self.locked[address] = nbytes
-        return 0
-
-    def cudaHostUnregister(self, address: int) -> int:
-        return 0 if self.locked.pop(address, None) is not None else 712  # cudaErrorHostMemoryNotRegistered
-
-
-@pytest.fixture
-def fake_cudart(monkeypatch):
-    cudart = FakeCudart()
-    monkeypatch.setattr(pinned, "_cuda", lambda: True)
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)  # torch's own answer on a CPU-only build
-    return cudart
-
 
 def test_pinned_host_buffers_are_our_memory_locked_for_exactly_their_size(fake_cudart):
     dev = bare_device()

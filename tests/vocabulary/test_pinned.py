@@ -146,32 +146,6 @@ def test_a_buffer_freed_while_the_registry_lock_is_held_does_not_deadlock():
 
 # with CUDA: our own memory, page-locked for exactly its size (a fake cudart here; the GPU test is in
 # tests/devices/test_cuda_backend.py) ----------------------------------------------------------------------------
-class FakeCudart:
-    """torch.cuda.cudart() stand-in: records page-locking calls; `refuse` makes cudaHostRegister fail."""
-
-    def __init__(self):
-        self.calls: list[tuple] = []
-        self.refuse = False
-
-    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
-        self.calls.append(("register", address, nbytes, flags))
-        return 2 if self.refuse else 0  # cudaErrorMemoryAllocation
-
-    def cudaHostUnregister(self, address: int) -> int:
-        self.calls.append(("unregister", address))
-        return 0
-
-
-@pytest.fixture
-def fake_cudart(monkeypatch):
-    from minioffload import pinned
-
-    cudart = FakeCudart()
-    monkeypatch.setattr(pinned, "_cuda", lambda: True)
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)  # torch's own answer on a CPU-only build
-    return cudart
-
 
 def test_with_cuda_a_pinned_buffer_is_locked_for_its_exact_size_and_unlocked_with_its_last_view(fake_cudart):
     import gc

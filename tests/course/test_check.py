@@ -59,6 +59,18 @@ def test_a_crash_shows_the_learners_frames_and_the_exception_after_the_fail_line
     assert len(lines) <= 9  # short: the FAIL line, a header, two frames with their lines, the exception
 
 
+def test_an_error_with_no_frame_of_the_learners_is_not_blamed_on_them_and_shows_every_frame(monkeypatch):
+    from functools import partial
+
+    from minioffload.course.check import grading
+
+    monkeypatch.setitem(grading.GRADERS, "0.0", partial(grading.grade, "no such task"))  # a check that breaks itself
+    verdict = check.grade("0.0", lambda: None)
+    assert verdict.status == "FAIL" and verdict.detail.startswith("the check raised ValueError: no grader")
+    assert "your function raised" not in verdict.detail
+    assert "grading.py" in verdict.traceback and verdict.traceback.startswith("Traceback (most recent call last)")
+
+
 def test_only_the_innermost_learners_frames_are_shown():
     def f1():
         return 1 / 0

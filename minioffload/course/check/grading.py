@@ -96,7 +96,13 @@ def _raised_by_learner(err: BaseException) -> bool:
 
 
 def _crashed(task_id: str, err: Exception) -> Verdict:
-    return Verdict(task_id, "FAIL", f"your function raised {type(err).__name__}: {err}", learner_traceback(err))
+    frames = traceback.extract_tb(err.__traceback__)
+    if any(_is_learners(f.filename) for f in frames) or isinstance(err, TypeError):  # TypeError: fn's signature
+        return Verdict(task_id, "FAIL", f"your function raised {type(err).__name__}: {err}", learner_traceback(err))
+    # no frame of the learner's: the check itself (or the runtime it runs) failed; the whole traceback says where
+    return Verdict(task_id, "FAIL", f"the check raised {type(err).__name__}: {err}, outside your code (from what your "
+                   "function returned, or a fault of the check's own: the whole traceback follows)",
+                   "".join(traceback.format_exception(err)).rstrip("\n"))
 
 
 def grade(task_id: str, fn: Callable) -> Verdict:

@@ -7,6 +7,11 @@ import os
 
 os.environ.setdefault("MINIOFFLOAD_SIM_STRICT", "1")  # before anything imports minioffload
 
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import uuid  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 
 from minioffload.devices import device  # noqa: E402
@@ -32,3 +37,33 @@ def fake_cudart(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)  # torch's own answer on a CPU-only build
     return cudart
+
+
+# a real file system to fill: the swapper's and the checkpoints' full-disk tests
+def _can_mount() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to loop-mount a file system"
+    if shutil.which("mkfs.ext4") is None or shutil.which("mount") is None:
+        return "needs mkfs.ext4 and mount"
+    return None
+
+
+@pytest.fixture
+def small_ext4(tmp_path):
+    """A 24 MiB ext4 file system, mounted at a fresh directory; unmounted and removed after the test."""
+    reason = _can_mount()
+    if reason:
+        pytest.skip(reason)
+    image, mountpoint = tmp_path / "fs.img", Path("/mnt") / f"minioffload-test-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["truncate", "-s", "24M", str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
+    mountpoint.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-o", "loop", str(image), str(mountpoint)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        mountpoint.rmdir()
+        pytest.skip(f"cannot loop-mount here: {mounted.stderr.strip()}")
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", str(mountpoint)], check=False)
+        mountpoint.rmdir()

@@ -45,7 +45,11 @@ def check_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 class DeviceMemory:
     """The device tier's books, shared by both backends: a `Ledger` with the device's capacity, and which
-    storages (by address) it counts, each freed from the ledger when its tensor is garbage collected."""
+    storages (by address) it counts, each freed from the ledger when the storage itself is garbage collected.
+
+    The storage, not the tensor: tensors are aliases (`detach()`, views, the tensor autograd saves twice), and a
+    count that ended with the first alias to die would un-count memory the others still hold. torch keeps one
+    Python object per live storage, so a finalizer on it runs once, when the memory goes."""
 
     def __init__(self, capacity: int):
         self.ledger = Ledger({"device": capacity})
@@ -66,9 +70,9 @@ class DeviceMemory:
         return shape, key
 
     def track(self, tensor: torch.Tensor, key: str) -> torch.Tensor:
-        address = tensor.untyped_storage().data_ptr()
-        self._held[address] = key
-        finalizer = weakref.finalize(tensor, self._release, address, key)
+        storage = tensor.untyped_storage()
+        self._held[storage.data_ptr()] = key
+        finalizer = weakref.finalize(storage, self._release, storage.data_ptr(), key)
         finalizer.atexit = False
         self._finalizers[key] = finalizer
         return tensor
@@ -76,7 +80,8 @@ class DeviceMemory:
     def _release(self, address: int, key: str) -> None:
         if self.on_release is not None:
             self.on_release(address)
-        self._held.pop(address, None)
+        if self._held.get(address) == key:  # not memory handed out again at this address since
+            del self._held[address]
         self._finalizers.pop(key, None)
         self.ledger.free(key)
 

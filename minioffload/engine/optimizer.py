@@ -172,6 +172,8 @@ class OffloadAdam(torch.optim.Optimizer):
             return self.sharded.gather_grad(slot)
         if self.speculative is not None:  # before anything is queued for a gradient that comes too late
             self.speculative.refuse_a_late_backward(slot.subgroup)
+        if param.grad is None:  # reached with no gradient (or another hook took it away): nothing to move
+            return
         self.dev.adopt(param.grad, "grad")  # autograd made it on the device: counted there until it is freed
         # backward read these weights and wrote this gradient (on a GPU, as queued work that copies must wait for)
         self.dev.uses(f"backward of a {tuple(param.shape)} parameter", reads=[param.data], writes=[param.grad])

@@ -13,9 +13,15 @@
                    (D2H) and lets the device copy go; in backward, the first unpack of block i brings block i's
                    tensors back (H2D) and starts block i-1's, so the next block's copies run under this one's
                    backward
-    offload_input  the block is recomputed in backward from its input, which alone leaves for the host
+    offload_input  recompute, with the block's inputs (all checkpoint keeps) sent to the host as offload sends its
+                   saved tensors
 
 Parameters are never offloaded (their storage is the model's), nor saved tensors under `min_numel` elements.
+The policies that run a block again (recompute, selective, offload_input) are torch's checkpoint, so they take any
+call signature and give the same gradients under `torch.autograd.grad`, double backward and inputs that need no
+gradient; the replay draws the device's random numbers of the forward too. A forward that is never
+backpropagated (a skipped loss, an evaluation with grad on) leaves nothing behind: its offloaded tensors are
+forgotten with its graph.
 Host memory comes from a bounded pinned arena (`pool_bytes`) or, without a bound, one pinned buffer per tensor.
 The same code runs on the simulated device and on CUDA: every order between the streams is an event.
 
@@ -25,6 +31,7 @@ What this is not: the choice of policy per block (chapter 9's planner), nor acti
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -79,6 +86,9 @@ class Activations:
                              f"{', '.join(POLICIES)}")
         if len(policies) != len(blocks):
             raise ValueError(f"{len(policies)} policies for {len(blocks)} blocks: give one per block, or one name")
+        if len({id(block) for block in blocks}) != len(blocks):
+            raise ValueError("a module appears more than once in blocks: give each block once (a block shared by "
+                             "several layers takes one policy, applied once)")
         for index, (block, name) in enumerate(zip(blocks, policies, strict=True)):
             if name == "selective" and not callable(getattr(getattr(block, "attn", None), "core", None)):
                 raise ValueError(f"block {index} has no attn.core(q, k, v) to recompute alone (selective needs "
@@ -95,7 +105,9 @@ class Activations:
         self.arena = _Arena(dev, pool_bytes) if offloads else None
         # weights by storage object, not address: a streamed weight (chapter 8) keeps its storage, not its address
         self._weights = {p.untyped_storage()._cdata for block in blocks for p in block.parameters()}
-        self._waiting: dict[int, list[_Packed]] = {}  # block -> its packed tensors not yet fetched
+        # block -> its packed tensors not yet fetched, by weak reference: the graph that saved them holds them, and
+        # a forward never backpropagated drops them with its graph
+        self._waiting: dict[int, list[weakref.ref]] = {}
         self._last_left = None  # event after the last D2H copy issued
         self._patched: list[tuple[torch.nn.Module, str]] = []
         for index, (block, name) in enumerate(zip(blocks, policies, strict=True)):
@@ -105,12 +117,13 @@ class Activations:
         forward = block.forward  # the class's bound method
         if name == "keep":
             return
+        dev = self.dev
         if name == "recompute":
             def run(*args, **kwargs):
-                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+                return checkpoint(_replaying(dev, forward), *args, use_reentrant=False, **kwargs)
         elif name == "selective":
             core = block.attn.core
-            block.attn.core = lambda q, k, v: checkpoint(core, q, k, v, use_reentrant=False)
+            block.attn.core = lambda q, k, v: checkpoint(_replaying(dev, core), q, k, v, use_reentrant=False)
             self._patched.append((block.attn, "core"))
             return
         elif name == "offload":
@@ -118,13 +131,13 @@ class Activations:
                 with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(index, t),
                                                                lambda packed: self._unpack(index, packed)):
                     return forward(*args, **kwargs)
-        else:  # offload_input
-            def run(x):
+        else:  # offload_input: checkpoint saves only the inputs, and saves them through these hooks
+            def run(*args, **kwargs):
                 if not torch.is_grad_enabled():
-                    return forward(x)
-                if not x.requires_grad:  # else the output would need no gradient, and the weights would get none
-                    x = x.detach().requires_grad_(True)
-                return _OffloadedInput.apply(self, index, forward, x)
+                    return forward(*args, **kwargs)
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(index, t, force=True),
+                                                               lambda packed: self._unpack(index, packed)):
+                    return checkpoint(_replaying(dev, forward), *args, use_reentrant=False, **kwargs)
         block.forward = run
         self._patched.append((block, "forward"))
 
@@ -136,20 +149,24 @@ class Activations:
 
     # offload: pack in forward, fetch ahead in backward ------------------------------------------------------
     def _pack(self, index: int, tensor: torch.Tensor, force: bool = False):
-        if tensor.device != self.dev.torch_device:
-            return tensor  # not device memory (fused attention saves 0-dim CPU tensors): nothing to move
+        if tensor.device != self.dev.torch_device or tensor.numel() == 0:
+            return tensor  # not device memory (fused attention saves 0-dim CPU tensors), or nothing: nothing to move
         if not force and (tensor.numel() < self.min_numel or tensor.untyped_storage()._cdata in self._weights):
             return tensor  # weights stay the model's; small tensors are not worth a copy
-        if not self._waiting:
+        if not self._pending():
             self._reuse_arena()
         source = (tensor if tensor.is_contiguous() else tensor.contiguous()).detach()  # bytes, not a graph node
-        self.dev.adopt(source, f"activation {index}")  # autograd made it on the device: counted until freed
-        self.dev.uses(f"block {index}'s forward", writes=[source])
+        if not self.dev.is_device(source):  # saved once already (a ReLU's output is the next Linear's input): written
+            self.dev.adopt(source, f"activation {index}")  # autograd made it on the device: counted until freed
+            self.dev.uses(f"block {index}'s forward", writes=[source])
         try:
             host = self.arena.take(source.shape, source.dtype)
-        except MemoryError:
-            self._waiting.clear()  # this forward's graph is lost with the error: the next one starts clean
-            raise
+        except MemoryError as err:
+            waiting = sum(packed.host.nbytes for refs in self._waiting.values() for ref in refs
+                          if (packed := ref()) is not None)
+            raise MemoryError(f"{err}. Of the pool, {waiting:,} bytes hold saved tensors still waiting for a "
+                              "backward: this forward's, and those of any earlier forward whose graph is still "
+                              "referenced (drop it, `del loss`, before the next forward)") from None
         self.dev.stream_waits_for_compute(self.d2h)  # compute wrote it
         self.dev.copy(host, source, self.d2h, name=f"d2h activation {index}")
         self.dev.keep_alive(source, self.d2h)  # freed once the copy has read it
@@ -157,7 +174,7 @@ class Activations:
         left.record(self.d2h)
         self._last_left = left
         packed = _Packed(host, left)
-        self._waiting.setdefault(index, []).append(packed)
+        self._waiting.setdefault(index, []).append(weakref.ref(packed))
         return packed
 
     def _unpack(self, index: int, packed):
@@ -170,8 +187,18 @@ class Activations:
         self.dev.uses(f"block {index}'s backward", reads=[packed.device])
         return packed.device
 
+    def _pending(self) -> bool:
+        """Whether an offloaded tensor still waits to come back for a graph that is alive."""
+        for index in list(self._waiting):
+            alive = [ref for ref in self._waiting[index] if ref() is not None]
+            if alive:
+                self._waiting[index] = alive
+            else:
+                del self._waiting[index]
+        return bool(self._waiting)
+
     def _fetch(self, index: int) -> None:
-        waiting = self._waiting.pop(index, [])
+        waiting = [packed for packed in (ref() for ref in self._waiting.pop(index, [])) if packed is not None]
         if not waiting:
             return
         # after every D2H so far, not only these tensors': its own has landed in host memory, and the memory the
@@ -194,35 +221,21 @@ class Activations:
             self.arena.used = 0
 
 
-class _OffloadedInput(torch.autograd.Function):
-    """A block run without keeping anything but its input, which goes to the host; in backward the input comes
-    back and the block runs again, with the random states of its forward (the CPU's and the device's: dropout on a
-    GPU draws from the device's), to give its gradients."""
+def _replaying(dev, fn: Callable) -> Callable:
+    """`fn`, whose later calls (checkpoint's recomputation in backward) draw the device's random numbers of its first
+    (checkpoint restores the CPU's and CUDA's default generators itself; the sim's device generator is its own), and
+    leave the device's generator as they found it."""
+    first: list[torch.Tensor] = []
 
-    @staticmethod
-    def forward(ctx, acts: Activations, index: int, forward: Callable, x: torch.Tensor) -> torch.Tensor:
-        ctx.acts, ctx.index, ctx.forward, ctx.rng = acts, index, forward, _rng_states(acts.dev)
-        ctx.packed = acts._pack(index, x.detach(), force=True)
-        return forward(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x = ctx.acts._unpack(ctx.index, ctx.packed).detach().requires_grad_(True)
-        now = _rng_states(ctx.acts.dev)
-        _set_rng_states(ctx.acts.dev, ctx.rng)  # the forward's draws again...
+    def call(*args, **kwargs):
+        if not first:
+            first.append(dev.get_rng_state())
+            return fn(*args, **kwargs)
+        now = dev.get_rng_state()
+        dev.set_rng_state(first[0])
         try:
-            with torch.enable_grad():
-                y = ctx.forward(x)
+            return fn(*args, **kwargs)
         finally:
-            _set_rng_states(ctx.acts.dev, now)  # ...and the rest of the run's as if nothing had been replayed
-        torch.autograd.backward(y, grad)
-        return None, None, None, x.grad
+            dev.set_rng_state(now)
 
-
-def _rng_states(dev) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.get_rng_state(), dev.get_rng_state()
-
-
-def _set_rng_states(dev, states: tuple[torch.Tensor, torch.Tensor]) -> None:
-    torch.set_rng_state(states[0])
-    dev.set_rng_state(states[1])
+    return call

@@ -28,6 +28,11 @@ The order of uses is recorded on the first pass (forward and backward) and prefe
 pass that departs from it (an evaluation pass, a changed model) fetches on demand while the order is recorded
 again, as DeepSpeed's trace-based prefetcher does. The first pass prefetches nothing.
 
+A released weight has no memory on the device (its storage is empty), so reading it directly is not possible:
+`model.state_dict()` (and so `torch.save`, DCP and `minioffload.checkpoint`) gives every streamed weight's value at
+home instead, as a host tensor, and `model.load_state_dict()` writes them home; `streamer.weights()` gives them by
+name.
+
 `budget_bytes` bounds the streamed weights on the device at once: a block and its k prefetches must fit (checked
 before anything moves); a prefetch that would not fit is left for later. Parameters outside the blocks
 (embeddings, the tied head, the last norm) and any parameter a block shares stay on the device (`resident`).
@@ -109,7 +114,7 @@ class ParamStreamer:
             self._bounces = [self.dev.host_empty(max(sizes), torch.uint8) for _ in range(count)]
         dev.place(to_place)
         self._hooks = [hook for block, module in zip(self.blocks, modules, strict=True)
-                       for hook in self._register(block, module)]
+                       for hook in [*self._register(block, module), *self._register_state(block, module)]]
 
     # homes ------------------------------------------------------------------------------------
     def _make_home(self, block: _Block) -> None:
@@ -156,6 +161,47 @@ class ParamStreamer:
             return self._mark(output, lambda: self._use(block, backward=True))  # its output's grad: backward next
 
         return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+
+    def _register_state(self, block: _Block, module: nn.Module) -> list:
+        """state_dict hooks: a streamed weight's value comes from home and goes home (its device tensor may have no
+        memory)."""
+        local = {id(p): name for name, p in module.named_parameters()}
+        names = [local[id(p)] for p in block.params]
+
+        def saved(_, state_dict, prefix, local_metadata):
+            for param, name in zip(block.params, names, strict=True):
+                if prefix + name in state_dict:
+                    # a compact copy: torch.save of a view writes its whole storage
+                    state_dict[prefix + name] = self.host_value(param).clone()
+
+        loaded: list[str] = []
+
+        def loading(_, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+            if any(prefix + name in state_dict for name in names):
+                self.quiesce()
+            for param, name in zip(block.params, names, strict=True):
+                value = state_dict.get(prefix + name)
+                if value is None:
+                    continue
+                if value.shape != param.shape:
+                    errors.append(f"size mismatch for {prefix + name}: copying a param with shape {tuple(value.shape)}"
+                                  f" from checkpoint, the shape in current model is {tuple(param.shape)}.")
+                    continue
+                self.set_weights(param, value.detach().to("cpu", param.dtype))
+                del state_dict[prefix + name]  # written home: torch's own copy into the empty device tensor is skipped
+                loaded.append(prefix + name)
+            if self.swapper is not None:
+                self.updated()
+
+        def after_load(_, incompatible):
+            for key in loaded:  # taken out above, so torch counts them missing: they were loaded
+                if key in incompatible.missing_keys:
+                    incompatible.missing_keys.remove(key)
+            loaded.clear()
+
+        return [module.register_state_dict_post_hook(saved),
+                module.register_load_state_dict_pre_hook(loading),
+                module.register_load_state_dict_post_hook(after_load)]
 
     @staticmethod
     def _mark(value, callback):
@@ -337,9 +383,15 @@ class ParamStreamer:
         block, i = self._where[id(param)]
         if self.swapper is None:
             return self._host_view(block, i)
+        for future, _ in self._writes:  # a write home still in flight holds the newest weights
+            future.result()
         value = self.dev.host_empty(block.numel, block.dtype)
         self.swapper.read(self._key(block), into=value).result()
         return value[block.offsets[i]:block.offsets[i] + param.numel()].view(param.shape)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every streamed weight as it is at home, by its name in the model (host tensors; nvme: read now)."""
+        return {block.names[i]: self.host_value(p) for block in self.blocks for i, p in enumerate(block.params)}
 
     def _host_view(self, block: _Block, i: int) -> torch.Tensor:
         """Parameter i of `block` in the host segment that holds it."""

@@ -10,19 +10,31 @@ indices one process would use. So the parts written by N ranks fit together, and
 DCP for exactly the parameters they own under their own shard map: a checkpoint saved on 2 ranks loads on 1,
 and the other way round. `extra` holds anything small the loop needs back (the step, the data position).
 
+A save never writes over the last good checkpoint: DCP writes into `PATH.saving`, and once every rank is done, rank 0
+renames the old `PATH` to `PATH.previous`, `PATH.saving` to `PATH`, and removes `PATH.previous`. A rank that dies at
+any point leaves `PATH` (or, between the two renames, `PATH.previous`) whole, never a mix of two steps; `load`
+reads whichever is there (`committed`). Before the renames rank 0 writes CHECKSUMS.json, a checksum of every file;
+`load` checks them all before it changes anything, so a flipped byte is refused, not loaded.
+
 What this is not: asynchronous (chapter 11 overlaps the write with training), nor a copy of the NVMe tier's
 files (the state is read from them and written into the checkpoint).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
+
+from ..nvme.swapper import fsync_path
 
 
 def _state(model, opt, extra: dict | None) -> dict:
@@ -36,18 +48,85 @@ def save(path, model, opt, extra: dict | None = None) -> Path:
     when torch.distributed is initialised (every rank calls it). Returns the path."""
     path = Path(path)
     state = _state(model, opt, extra)
-    with warnings.catch_warnings():  # one process without a group: DCP says it runs without one, as it should
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=str(path))
+    staging, previous = _beside(path, "saving"), _beside(path, "previous")
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    if first and staging.exists():
+        shutil.rmtree(staging)  # a save that died before its commit
+    _barrier()
+    try:
+        with warnings.catch_warnings():  # one process without a group: DCP says it runs without one, as it should
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state, checkpoint_id=str(staging))
+    except CheckpointException as err:  # every rank gets it: DCP gathers the failures
+        if first:
+            shutil.rmtree(staging, ignore_errors=True)  # its space back (a full disk)
+        cause = [line for line in str(err).strip().splitlines() if line.strip()][-1:] or [type(err).__name__]
+        raise RuntimeError(f"saving the checkpoint into {staging} failed ({cause[0].strip()[:300]}); {path} still "
+                           "holds the last one saved") from None
+    _barrier()  # every rank's files are written
+    if first:
+        _write_checksums(staging)
+        if previous.exists():
+            shutil.rmtree(previous)
+        if path.exists():
+            os.replace(path, previous)
+        os.replace(staging, path)
+        fsync_path(path.parent)  # the renames are durable before the old copy goes
+        shutil.rmtree(previous, ignore_errors=True)
+    _barrier()
     return path
+
+
+def committed(path) -> Path | None:
+    """The directory that holds the checkpoint last saved at `path`: `path` itself, or `PATH.previous` if a save died
+    between its two renames; None when there is none."""
+    path = Path(path)
+    return next((where for where in (path, _beside(path, "previous")) if (where / ".metadata").is_file()), None)
+
+
+CHECKSUMS = "CHECKSUMS.json"
+
+
+def _checksums(path: Path) -> dict[str, str]:
+    return {f.name: xxhash.xxh3_64_hexdigest(f.read_bytes()) for f in sorted(path.iterdir())
+            if f.is_file() and not f.name.startswith(CHECKSUMS)}
+
+
+def _write_checksums(path: Path) -> None:
+    temporary = path / (CHECKSUMS + ".tmp")
+    temporary.write_text(json.dumps(_checksums(path)))
+    fsync_path(temporary)
+    os.replace(temporary, path / CHECKSUMS)
+
+
+def _verify(path: Path) -> None:
+    """Every file the save wrote is there with its bytes (a checkpoint saved before checksums were kept: unchecked)."""
+    listed = path / CHECKSUMS
+    if not listed.is_file():
+        return
+    want, got = json.loads(listed.read_text()), _checksums(path)
+    bad = sorted(name for name in want if got.get(name) != want[name])
+    if bad:
+        raise ValueError(f"{path} is corrupt: {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not as written "
+                         "(checksum differs, or missing); nothing was loaded. Load another checkpoint")
+
+
+def _beside(path: Path, suffix: str) -> Path:
+    return path.with_name(f"{path.name}.{suffix}")
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def load(path, model, opt) -> dict:
     """Load a checkpoint written by `save` on any number of ranks into `model` and `opt`; returns its `extra`.
     Refuses (changing nothing) a directory without a checkpoint, or one of another model."""
-    path = Path(path)
-    if not (path / ".metadata").is_file():
+    if committed(path) is None:
         raise ValueError(f"{path} holds no checkpoint (no .metadata file): give the directory checkpoint.save wrote")
+    path = committed(path)
+    _verify(path)
     state = _state(model, opt, None)  # what this rank needs, in the right shapes: DCP fills it in place
     state["model"] = {key: value.clone() for key, value in state["model"].items()}  # the model changes last
     state["extra"] = {key: None for key in _saved_extra_keys(path)}

@@ -24,7 +24,9 @@ Written per checkpoint, in a directory `step{N:08d}/`:
     meta.pt                                   step counts, settings, loss scale, the delayed update's unsent weights,
                                               the model's tensors that are not offloaded parameters, RNG states, extra
     MANIFEST.json                             written last, atomically (temporary file, fsync, rename, fsync of the
-                                              directory): a directory without it is an unfinished checkpoint
+                                              directory): a directory without it is an unfinished checkpoint; it
+                                              lists every file's size and meta.pt's checksum (the subgroup files
+                                              have theirs in the Swapper's index), checked before anything loads
 At most one checkpoint is in flight: a `save()` while one is writing waits for it. The newest `keep` complete
 checkpoints stay; older ones are removed after a new one commits.
 
@@ -44,13 +46,15 @@ import re
 import shutil
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
+import xxhash
 
 from ..engine import state as engine_state
 from ..layout import STATE, Where
-from ..nvme.swapper import Swapper, fsync_path
+from ..nvme.swapper import SwapIOError, Swapper, fsync_path
 
 MANIFEST = "MANIFEST.json"
 
@@ -126,7 +130,8 @@ class AsyncCheckpointer:
             if path.exists():
                 shutil.rmtree(path)  # an unfinished checkpoint of the same step, from a run that died
             captured_s = self._capture(step, path, extra, rng)
-            _commit_manifest(path, {"step": step, "format": 1, "time": time.time()})
+            _commit_manifest(path, {"step": step, "format": 2, "time": time.time(),
+                                    "checksums": {"meta.pt": _file_checksum(path / "meta.pt")}})
             self._prune()
             self.last = {"step": step, "path": str(path), "capture_s": captured_s,
                          "total_s": time.perf_counter() - started}
@@ -177,11 +182,21 @@ class AsyncCheckpointer:
 
 def load_latest(directory, model: torch.nn.Module, opt) -> tuple[int, dict]:
     """Load the newest complete checkpoint under `directory` into `model` and `opt` (built as when it was saved);
-    returns (step, extra). FileNotFoundError when there is none."""
+    returns (step, extra). One whose bytes are corrupt is skipped, with a warning, for the one before it.
+    FileNotFoundError when there is none."""
     done = complete(Path(directory))
     if not done:
         raise FileNotFoundError(f"no complete checkpoint (a step directory with {MANIFEST}) under {directory}")
-    return load(done[-1], model, opt)
+    for path in reversed(done[1:]):
+        try:
+            return load(path, model, opt)
+        except CorruptCheckpoint as err:
+            warnings.warn(f"{err}; loading the one before it", RuntimeWarning, stacklevel=2)
+    return load(done[0], model, opt)
+
+
+class CorruptCheckpoint(ValueError):
+    """A complete checkpoint whose bytes differ from those written (a checksum differs); nothing was loaded."""
 
 
 def load(path, model: torch.nn.Module, opt) -> tuple[int, dict]:
@@ -190,6 +205,10 @@ def load(path, model: torch.nn.Module, opt) -> tuple[int, dict]:
     if path.resolve() not in [done.resolve() for done in complete(path.parent)]:
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MANIFEST}, or a file it lists is missing "
                                 "or cut short): load an earlier one (load_latest finds it)")
+    written = json.loads((path / MANIFEST).read_text()).get("checksums", {}).get("meta.pt")
+    if written is not None and _file_checksum(path / "meta.pt") != written:
+        raise CorruptCheckpoint(f"{path / 'meta.pt'} is corrupt (its checksum is not the one written): load an "
+                                "earlier checkpoint (load_latest does)")
     meta = torch.load(path / "meta.pt", weights_only=False)
     state = {}
     with Swapper(path) as swapper:
@@ -198,7 +217,13 @@ def load(path, model: torch.nn.Module, opt) -> tuple[int, dict]:
         for entry in meta["layout"]:
             for name in STATE:
                 buffer = opt.dev.host_empty(entry["numel"])
-                swapper.read(f"subgroup{entry['subgroup']}/{name}", into=buffer).result()  # checksum verified
+                key = f"subgroup{entry['subgroup']}/{name}"
+                try:
+                    swapper.read(key, into=buffer).result()  # checksum verified
+                except SwapIOError as err:
+                    if "checksum mismatch" not in str(err):
+                        raise
+                    raise CorruptCheckpoint(f"{path}: {err}") from err
                 flat[entry["subgroup"], name] = buffer
     settings = meta["optimizer"]
     for index, (sub, offset, numel) in enumerate(slots):
@@ -346,6 +371,10 @@ def complete(directory: Path) -> list[Path]:
         if match and whole:
             found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
+
+
+def _file_checksum(file: Path) -> str:
+    return xxhash.xxh3_64_hexdigest(file.read_bytes())
 
 
 def _commit_manifest(path: Path, manifest: dict) -> None:

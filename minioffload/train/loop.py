@@ -257,7 +257,7 @@ def train(config: TrainConfig) -> TrainResult:
     """Train a GPT as `config` says; write trace.json, loss.csv and summary.json into its out_dir."""
     out_dir, tok, train_tokens, val_tokens = preflight(config)
     lazy = config.resume is not None and bool(checkpoint_async.complete(Path(config.resume)))
-    if config.resume is not None and not lazy and not (Path(config.resume) / ".metadata").is_file():
+    if config.resume is not None and not lazy and checkpoint.committed(config.resume) is None:
         raise ValueError(f"TrainConfig.resume={config.resume!r} holds no checkpoint (no .metadata, no step "
                          "directory with a MANIFEST.json): give a directory a run saved with checkpoint_dir")
     shard = _join(config)

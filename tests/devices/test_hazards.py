@@ -1,12 +1,13 @@
 """The strict sim's hazard checker: each rule catches its planted hazard, naming streams, tensor and fix, and the
 correct version of the same code passes (the whole suite runs strict, so the runtime's own code is checked too)."""
 
-import time
+import threading
 
 import pytest
 import torch
 
 from minioffload.devices import Link, device, pipeline
+from minioffload.devices import sim as sim_module
 from minioffload.devices.hazards import HazardError
 
 
@@ -62,7 +63,19 @@ def test_a_read_of_data_another_stream_may_still_write_is_refused_unless_the_hos
 SLOW = Link(bandwidth=1e8)  # 4 MiB take 40 ms: the host surely acts while the copy runs
 
 
-def test_a_host_read_before_a_d2h_copy_syncs_sees_nan():
+def test_a_host_read_before_a_d2h_copy_syncs_sees_nan(monkeypatch):
+    """The copy is held in flight (after its start, before its bytes land) while the host reads: no sleep to guess how
+    long a busy machine takes to start it."""
+    in_flight, looked = threading.Event(), threading.Event()
+    sleep_until = sim_module._sleep_until
+
+    def held_in_flight(t):
+        if not in_flight.is_set() and torch.isnan(out).all():  # poisoned: the copy has started
+            in_flight.set()
+            looked.wait(10)
+        sleep_until(t)
+
+    monkeypatch.setattr(sim_module, "_sleep_until", held_in_flight)
     dev = device("sim", strict=True, d2h=SLOW)
     d2h = dev.stream("d2h")
     x = dev.empty(1 << 20, name="x")
@@ -72,22 +85,35 @@ def test_a_host_read_before_a_d2h_copy_syncs_sees_nan():
     dev.copy(out, x, d2h)
     done = dev.event()
     done.record(d2h)
-    time.sleep(0.015)
+    assert in_flight.wait(10)
     assert torch.isnan(out).any()  # read too early: poisoned, as a GPU's buffer holds who knows what
+    looked.set()
     done.synchronize()
     assert torch.equal(out, x)  # read after the event: the bytes
     dev.close()
 
 
-def test_a_host_write_to_a_pinned_source_during_its_copy_fails_the_stream():
+def test_a_host_write_to_a_pinned_source_during_its_copy_fails_the_stream(monkeypatch):
+    in_flight, written = threading.Event(), threading.Event()
+    checksum = sim_module.checksum
+
+    def held_after_reading(tensor):
+        digest = checksum(tensor)
+        if not in_flight.is_set():  # the copy has read its source: it is in flight until its end
+            in_flight.set()
+            written.wait(10)
+        return digest
+
+    monkeypatch.setattr(sim_module, "checksum", held_after_reading)
     dev = device("sim", strict=True, h2d=SLOW)
     h2d = dev.stream("h2d")
     x = dev.empty(1 << 20, name="x")
     host = dev.host_empty(1 << 20)
     host.fill_(1.0)
     dev.copy(x, host, h2d)
-    time.sleep(0.015)
+    assert in_flight.wait(10)
     host.fill_(5.0)  # the copy is still in flight
+    written.set()
     with pytest.raises(RuntimeError, match="the host wrote its pinned source while the copy was in flight"):
         dev.synchronize()
     dev.close()

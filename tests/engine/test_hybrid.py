@@ -58,7 +58,8 @@ def test_a_bf16_model_updated_on_the_device_keeps_fp32_masters():
 def test_the_device_path_moves_12_bytes_per_param_each_way_while_the_cpu_updates():
     torch.manual_seed(0)
     model = Toy(width=64)
-    with device("sim", adam_rate=1e6) as dev:  # 4 ms per device-side subgroup
+    # 16 ms per device-side subgroup: the window for the CPU's share is long against a busy machine's delays
+    with device("sim", adam_rate=2.5e5) as dev:
         opt = OffloadAdam(on_sim(model, dev).parameters(), dev, subgroup_numel=4096, stride=2)
         dev.synchronize()
         dev.trace.clear()  # from backward on: the first streamed subgroups' state goes in while backward runs
@@ -77,7 +78,7 @@ def test_the_device_path_moves_12_bytes_per_param_each_way_while_the_cpu_updates
     largest = max(sub.numel for sub in opt.subgroups if sub.where == "streamed")
     assert 0 < prefetched <= 12 * opt.device_path.sets * largest  # state of up to `sets` subgroups before step()
     assert device_adam and cpu_adam
-    # the CPU does its share while the device path runs (~40 ms here), not after it
+    # the CPU does its share while the device path runs (~160 ms here), not after it
     assert max(c.start for c in cpu_adam) < max(a.end for a in device_adam)
 
 

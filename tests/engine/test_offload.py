@@ -394,3 +394,25 @@ def test_a_delayed_update_runs_behind_step_and_its_errors_surface(monkeypatch):
         with pytest.raises(RuntimeError, match="adam broke"):
             opt.step()  # the update of the previous step() fails in the thread: the next call says so
             opt.flush()
+
+
+def test_a_gradient_an_earlier_hook_takes_away_leaves_its_parameter_as_adamw_does():
+    """A post-accumulate-grad hook registered before OffloadAdam's sets one gradient to None (a framework that
+    consumes it): that parameter is not updated, as torch's AdamW leaves a parameter without a gradient."""
+    def run(make_opt):
+        torch.manual_seed(0)
+        with device("sim") as dev:
+            model = on_sim(Toy(), dev)
+            first = next(p for p in model.parameters() if p.requires_grad)
+            first.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+            opt = make_opt(model, dev)
+            for k in range(2):
+                loss_of(model, *batch(k)).backward()
+                opt.step()
+                opt.zero_grad()
+            dev.synchronize()
+            return [p.detach().clone() for p in model.parameters()]
+
+    ours = run(lambda model, dev: OffloadAdam(model.parameters(), dev, subgroup_numel=300, **HYPER))
+    torchs = run(lambda model, dev: torch.optim.AdamW(model.parameters(), **HYPER))
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ours, torchs, strict=True))

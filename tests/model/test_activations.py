@@ -114,6 +114,8 @@ def test_bad_input_is_refused_and_nothing_changes(policy, blocks, says):
         assert all("forward" not in vars(b) for b in model.blocks)
         with pytest.raises(ValueError, match="no attn.core"):
             Activations([torch.nn.Linear(4, 4)], "selective", dev)
+        with pytest.raises(ValueError, match="appears more than once"):
+            Activations([model.blocks[0], model.blocks[1], model.blocks[0]], "offload", dev)
         acts = Activations(model.blocks, "recompute", dev)
         with pytest.raises(ValueError, match="already has a policy"):
             Activations(model.blocks, "offload", dev)
@@ -128,7 +130,7 @@ def test_a_pool_too_small_names_the_fix():
         acts = Activations(model.blocks, "offload", dev, pool_bytes=4096)
         with pytest.raises(MemoryError, match="larger pool_bytes"):
             model(*batch(0))
-        assert not acts._waiting  # nothing left waiting for a backward that never comes: the next forward starts clean
+        assert not acts._pending()  # nothing waits for a backward that never comes: the next forward starts clean
 
 
 class _DeviceDropoutBlock(torch.nn.Module):
@@ -202,3 +204,125 @@ def test_on_cuda_every_policy_trains_like_keep_with_dropout_and_a_lagging_gpu(po
     exact = policy in ("offload",)  # a copy there and back changes no bit; recomputation may take other kernels
     for a, b in zip(kept, other, strict=True):
         assert torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-4, atol=1e-6), policy
+
+
+# Other models and other calls: what PyTorch's and DeepSpeed's own checkpoint tests ask of a policy ------------------
+def _mlp_blocks(n=3, width=64, seed=0):
+    """Linear -> ReLU -> Linear: the ReLU saves its output and the next Linear saves the same tensor again."""
+    torch.manual_seed(seed)
+    return torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(),
+                                                   torch.nn.Linear(width, width)) for _ in range(n))
+
+
+def _gradients(policy, call, frozen_input=False, slow_pool=False):
+    """call(loss, x, params) -> gradients, for three MLP blocks under `policy` on the strict sim. slow_pool: each
+    pinned buffer is handed out only after every queued copy has run (pinned allocation
+    is slow on a GPU host), so a saved tensor's first copy is done before its second save."""
+    blocks = _mlp_blocks()
+    with device("sim") as dev:
+        dev.place(blocks)
+        acts = Activations(blocks, policy, dev, min_numel=1)
+        if slow_pool and acts.arena is not None:
+            take = acts.arena.take
+
+            def slow_take(*args):
+                dev.synchronize()
+                return take(*args)
+            acts.arena.take = slow_take
+        x = torch.randn(32, 64, requires_grad=not frozen_input)
+        h = x
+        for block in blocks:
+            h = block(h)
+        grads = call(h.square().sum(), x, list(blocks.parameters()))
+        dev.synchronize()
+        acts.remove()
+        return grads
+
+
+def _backward(loss, x, params):
+    loss.backward()
+    return [p.grad for p in params]
+
+
+def _autograd_grad(loss, x, params):
+    grads = torch.autograd.grad(loss, [x, *params])
+    assert all(p.grad is None for p in params), "torch.autograd.grad wrote .grad into the parameters"
+    return grads
+
+
+def _gradient_penalty(loss, x, params):
+    first = torch.autograd.grad(loss, params, create_graph=True)
+    sum(g.square().sum() for g in first).backward()
+    return [p.grad for p in params]
+
+
+@pytest.mark.parametrize("call, frozen_input", [(_backward, False), (_backward, True), (_autograd_grad, False),
+                                                (_gradient_penalty, False), (_gradient_penalty, True)],
+                         ids=["backward", "frozen-input", "autograd.grad", "double-backward", "double-frozen"])
+@pytest.mark.parametrize("policy", ["recompute", "offload", "offload_input"])
+def test_policies_give_keeps_gradients_under_every_way_of_asking_for_them(policy, call, frozen_input):
+    """A frozen input (a fine-tuned model's embedding), torch.autograd.grad (no .grad written), double backward (a
+    gradient penalty), and one storage saved twice with a slow pinned pool: the gradients are keep's, bit for bit."""
+    kept = _gradients("keep", call, frozen_input)
+    got = _gradients(policy, call, frozen_input, slow_pool=True)
+    assert all(torch.equal(a, b) for a, b in zip(kept, got, strict=True))
+
+
+class _TwoInputs(torch.nn.Module):
+    def __init__(self, width=64):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+    def forward(self, x, context, *, scale=1.0):
+        return torch.tanh(self.a(x) + self.b(context)) * scale
+
+
+@pytest.mark.parametrize("policy", ["recompute", "offload", "offload_input"])
+def test_a_block_with_two_inputs_and_keywords_runs_under_every_policy(policy, sim):
+    def grads(name):
+        torch.manual_seed(0)
+        blocks = torch.nn.ModuleList(_TwoInputs() for _ in range(2))
+        sim.place(blocks)
+        acts = Activations(blocks, name, sim, min_numel=1)
+        x, context = torch.randn(8, 64, requires_grad=True), torch.randn(8, 64)
+        for block in blocks:
+            x = block(x, context, scale=0.5)
+        x.sum().backward()
+        sim.synchronize()
+        acts.remove()
+        return [p.grad for p in blocks.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(grads("keep"), grads(policy), strict=True))
+
+
+@pytest.mark.parametrize("policy", ["offload", "offload_input"])
+def test_a_forward_never_backpropagated_leaves_nothing_behind(policy):
+    """A skipped loss (or an evaluation with grad on): its offloaded tensors are not fetched by the next backward,
+    and a pool sized for one step serves the next step once the graph is dropped; while the old graph is still
+    referenced, a pool too small says how to free it."""
+    model = tiny_gpt()
+    with device("sim") as dev:
+        dev.place(model)
+        sizing = Activations(model.blocks, policy, dev, pool_bytes=64 << 20)
+        model(*batch(0))[1].backward()
+        one_step = sizing.arena.used  # one forward's offloaded bytes, aligned as the pool hands them out
+        sizing.remove()
+
+        acts = Activations(model.blocks, policy, dev, pool_bytes=one_step)
+        loss = model(*batch(1))[1]
+        del loss  # skipped: never backpropagated
+        start = len(dev.trace.on("h2d"))
+        loss = model(*batch(2))[1]  # the pool starts over: the skipped step's tensors are gone with its graph
+        loss.backward()
+        dev.synchronize()
+        up = sum(s.nbytes for s in dev.trace.on("h2d")[start:] if s.name.startswith("h2d activation"))
+        down = sum(s.nbytes for s in dev.trace.on("d2h") if s.name.startswith("d2h activation")) // 3
+        assert up == down  # one step's bytes came back, not two
+
+        kept_loss = model(*batch(3))[1]  # still referenced: its tensors hold the pool
+        with pytest.raises(MemoryError, match=r"del loss"):
+            model(*batch(4))
+        del kept_loss
+        model(*batch(5))[1].backward()  # dropped: the pool serves again
+        dev.synchronize()
+        acts.remove()

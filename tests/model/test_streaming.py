@@ -325,3 +325,37 @@ def test_on_cuda_streaming_trains_like_resident_weights_with_a_lagging_gpu(home,
     torch.testing.assert_close(streamed[0], resident[0], rtol=1e-5, atol=1e-6)
     for a, b in zip(streamed[1], resident[1], strict=True):  # embedding backward sums in any order on a GPU
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("home, dtype", [("host", torch.float32), ("host", torch.bfloat16), ("nvme", torch.float32)])
+def test_a_streamed_models_state_dict_saves_and_loads_its_weights(home, dtype, tmp_path):
+    """Released blocks have no device memory: state_dict gives each weight from home (as a resident model's would),
+    torch.save writes a file that loads, and load_state_dict writes the weights home."""
+    with SimDevice(jitter=0.0) as dev:
+        resident = _model(dtype=dtype)
+        dev.place(resident)
+        _train(dev, resident, steps=2)
+        want = {k: v.clone() for k, v in resident.state_dict().items()}
+
+    (tmp_path / "nvme").mkdir()
+    with SimDevice(jitter=0.0) as dev, Swapper(tmp_path / "nvme", direct=False) as swapper:
+        model = _model(dtype=dtype)
+        streamer = ParamStreamer(model, dev, prefetch=1, home=home, swapper=swapper if home == "nvme" else None)
+        _train(dev, model, streamer, steps=2)
+        got = model.state_dict()
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k].cpu(), want[k]) for k in want)
+        torch.save(got, tmp_path / "weights.pt")
+        fresh = _model(dtype=dtype)
+        fresh.load_state_dict(torch.load(tmp_path / "weights.pt"))
+        assert all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
+
+        # new weights into the streamed model: they go home, and its forward uses them
+        scrambled = {k: v + 1 for k, v in want.items()}
+        assert model.load_state_dict(scrambled).missing_keys == []
+        assert all(torch.equal(model.state_dict()[k].cpu(), scrambled[k]) for k in want)
+        fresh.load_state_dict(scrambled)
+        x, y = _batches(1)[0]
+        with torch.no_grad():
+            assert torch.equal(model(x, y)[1], fresh(x, y)[1])
+        streamer.remove()

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -123,35 +122,6 @@ def test_a_short_read_is_named_as_one(tmp_path):
 
 # ------------------------------------------------------------------------------------------------
 # a real file system: full disk, killed writers
-
-def _can_mount() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to loop-mount a file system"
-    if shutil.which("mkfs.ext4") is None or shutil.which("mount") is None:
-        return "needs mkfs.ext4 and mount"
-    return None
-
-
-@pytest.fixture
-def small_ext4(tmp_path):
-    """A 24 MiB ext4 file system, mounted at a fresh directory; unmounted and removed after the test."""
-    reason = _can_mount()
-    if reason:
-        pytest.skip(reason)
-    image, mountpoint = tmp_path / "fs.img", Path("/mnt") / f"minioffload-test-{uuid.uuid4().hex[:8]}"
-    subprocess.run(["truncate", "-s", "24M", str(image)], check=True)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
-    mountpoint.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-o", "loop", str(image), str(mountpoint)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        mountpoint.rmdir()
-        pytest.skip(f"cannot loop-mount here: {mounted.stderr.strip()}")
-    try:
-        yield mountpoint
-    finally:
-        subprocess.run(["umount", str(mountpoint)], check=False)
-        mountpoint.rmdir()
-
 
 def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free

@@ -152,6 +152,30 @@ def test_only_the_newest_complete_checkpoints_stay_and_bad_input_is_refused(tmp_
             checkpoint_async.load(tmp_path / "step00000003", model, opt)
 
 
+@pytest.mark.parametrize("file", ["meta.pt", "subgroup0/master"])
+def test_a_flipped_byte_is_refused_and_the_checkpoint_before_it_loads(file, tmp_path):
+    """meta.pt (RNG states, kept parameters and their AdamW state) is checksummed in the manifest, the subgroup files
+    in the Swapper's index: a corrupt newest checkpoint changes nothing and load_latest takes the one before it."""
+    with device("sim") as dev:
+        model, opt = make(dev, min_offload_numel=20)
+        ckpt = AsyncCheckpointer(tmp_path, model, opt)
+        for step in range(2):
+            train(model, opt, [step])
+            ckpt.save(step + 1)
+        ckpt.close()
+        before = weights(model, opt)
+        target = tmp_path / "step00000002" / file.replace("/", "%2f")
+        target = target if target.exists() else target.with_name(target.name + ".0")  # the Swapper's file of a key
+        data = bytearray(target.read_bytes())
+        data[100] ^= 0x01  # one bit, within the values, same size: the manifest's sizes still match
+        target.write_bytes(bytes(data))
+        with pytest.raises(checkpoint_async.CorruptCheckpoint, match="corrupt|checksum"):
+            checkpoint_async.load(tmp_path / "step00000002", model, opt)
+        assert all(torch.equal(a, b) for a, b in zip(before, weights(model, opt), strict=True))  # nothing changed
+        with pytest.warns(RuntimeWarning, match="loading the one before it"):
+            assert load_latest(tmp_path, model, opt)[0] == 1
+
+
 def test_device_state_is_snapshotted_on_a_side_stream_into_pinned_buffers_reused_by_every_save(tmp_path, monkeypatch):
     """What lives on the device (a resident hybrid subgroup's state, kept parameters and their AdamW state, a frozen
     parameter) is copied by save() on the "checkpoint d2h" stream, after the compute issued so far, into pinned

@@ -188,13 +188,16 @@ def test_lazy_async_checkpoints_resume_the_run_exactly(tmp_path):
         TrainConfig(**base, checkpoint_every=2)
 
 
-@pytest.mark.parametrize("lazy", [True, False], ids=["lazy async", "torch.distributed.checkpoint"])
-def test_a_resumed_run_with_kept_parameters_continues_exactly(lazy, tmp_path):
+@pytest.mark.parametrize("lazy, params_on", [(True, "device"), (False, "device"), (True, "host"), (False, "host")],
+                         ids=["lazy async", "torch.distributed.checkpoint", "lazy async, streamed",
+                              "torch.distributed.checkpoint, streamed"])
+def test_a_resumed_run_with_kept_parameters_continues_exactly(lazy, params_on, tmp_path):
     """The small parameters kept on the device have torch's AdamW state: a resumed run must get it back (a fresh
-    optimizer has none yet, and torch.distributed.checkpoint loads only what it is asked for)."""
+    optimizer has none yet, and torch.distributed.checkpoint loads only what it is asked for). Streamed weights
+    (params_on host) are saved from home: their device tensors have no memory between uses."""
     kept = OffloadOptions(subgroup_numel=1 << 16, max_grad_norm=1.0, min_offload_numel=1000)
     base = dict(model="tiny", steps=4, batch_size=4, block_size=32, grad_accum=2, eval_every=100, progress=False,
-                device="sim", optimizer=kept)
+                device="sim", optimizer=kept, params_on=params_on)
     straight = train(TrainConfig(**base, out_dir=str(tmp_path / "straight")))
     train(TrainConfig(**{**base, "steps": 2}, checkpoint_dir=str(tmp_path / "ckpt"),
                       checkpoint_every=2 if lazy else None, out_dir=str(tmp_path / "first")))

@@ -156,8 +156,11 @@ class Activations:
         if not self._pending():
             self._reuse_arena()
         source = (tensor if tensor.is_contiguous() else tensor.contiguous()).detach()  # bytes, not a graph node
-        if not self.dev.is_device(source):  # saved once already (a ReLU's output is the next Linear's input): written
-            self.dev.adopt(source, f"activation {index}")  # autograd made it on the device: counted until freed
+        # a storage saved twice (a ReLU's output is also the next Linear's input) is counted once, and its write by
+        # the forward declared once: the first save's copy may be reading it by the second
+        first_save = not self.dev.is_device(source)
+        self.dev.adopt(source, f"activation {index}")  # autograd made it on the device: counted until its storage goes
+        if first_save:
             self.dev.uses(f"block {index}'s forward", writes=[source])
         try:
             host = self.arena.take(source.shape, source.dtype)

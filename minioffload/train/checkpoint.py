@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import xxhash
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
 
+from ..kernels.checksum import file_checksum
 from ..nvme.swapper import fsync_path
 
 
@@ -88,7 +88,7 @@ CHECKSUMS = "CHECKSUMS.json"
 
 
 def _checksums(path: Path) -> dict[str, str]:
-    return {f.name: xxhash.xxh3_64_hexdigest(f.read_bytes()) for f in sorted(path.iterdir())
+    return {f.name: file_checksum(f) for f in sorted(path.iterdir())
             if f.is_file() and not f.name.startswith(CHECKSUMS)}
 
 

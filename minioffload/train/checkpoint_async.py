@@ -50,9 +50,9 @@ import warnings
 from pathlib import Path
 
 import torch
-import xxhash
 
 from ..engine import state as engine_state
+from ..kernels.checksum import file_checksum
 from ..layout import STATE, Where
 from ..nvme.swapper import SwapIOError, Swapper, fsync_path
 
@@ -131,7 +131,7 @@ class AsyncCheckpointer:
                 shutil.rmtree(path)  # an unfinished checkpoint of the same step, from a run that died
             captured_s = self._capture(step, path, extra, rng)
             _commit_manifest(path, {"step": step, "format": 2, "time": time.time(),
-                                    "checksums": {"meta.pt": _file_checksum(path / "meta.pt")}})
+                                    "checksums": {"meta.pt": file_checksum(path / "meta.pt")}})
             self._prune()
             self.last = {"step": step, "path": str(path), "capture_s": captured_s,
                          "total_s": time.perf_counter() - started}
@@ -206,7 +206,7 @@ def load(path, model: torch.nn.Module, opt) -> tuple[int, dict]:
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MANIFEST}, or a file it lists is missing "
                                 "or cut short): load an earlier one (load_latest finds it)")
     written = json.loads((path / MANIFEST).read_text()).get("checksums", {}).get("meta.pt")
-    if written is not None and _file_checksum(path / "meta.pt") != written:
+    if written is not None and file_checksum(path / "meta.pt") != written:
         raise CorruptCheckpoint(f"{path / 'meta.pt'} is corrupt (its checksum is not the one written): load an "
                                 "earlier checkpoint (load_latest does)")
     meta = torch.load(path / "meta.pt", weights_only=False)
@@ -371,10 +371,6 @@ def complete(directory: Path) -> list[Path]:
         if match and whole:
             found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
-
-
-def _file_checksum(file: Path) -> str:
-    return xxhash.xxh3_64_hexdigest(file.read_bytes())
 
 
 def _commit_manifest(path: Path, manifest: dict) -> None:

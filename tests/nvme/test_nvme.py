@@ -199,3 +199,13 @@ def test_an_unwritable_directory_is_named_with_the_fix(tmp_path, monkeypatch):
     with pytest.raises(PermissionError, match=f"swap directory {tmp_path} is not writable by this user"):
         Swapper(tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_files_checksum_read_in_chunks_is_its_bytes_checksum(tmp_path):
+    from minioffload.kernels.checksum import checksum, file_checksum
+
+    values = torch.arange(10_000, dtype=torch.float32)
+    (tmp_path / "f").write_bytes(values.numpy().tobytes())
+    assert file_checksum(tmp_path / "f", chunk=1000) == file_checksum(tmp_path / "f") == checksum(values)
+    (tmp_path / "g").write_bytes(values.numpy().tobytes()[:-1] + b"\x01")
+    assert file_checksum(tmp_path / "g", chunk=1000) != checksum(values)

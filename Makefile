@@ -19,7 +19,8 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 # (tools/stress_test_suite.sh runs the whole of `make test` with a busy CPU process beside it).
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
-NBVAL := $(PYTEST) --nbval --nbval-cell-timeout=600 --nbval-sanitize-with tests/nbval_sanitize.cfg
+# NBVAL_FLAGS=-vv shows a failing cell's whole output (tools/stress_test_suite.sh sets it)
+NBVAL := $(PYTEST) --nbval --nbval-cell-timeout=600 --nbval-sanitize-with tests/nbval_sanitize.cfg $(NBVAL_FLAGS)
 NOTEBOOKS := book/chapters exercises/solutions
 
 .PHONY: book book-stored test lab labs lint bench fio gpu clean

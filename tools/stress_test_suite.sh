@@ -47,7 +47,7 @@ for n in $(seq 1 "$runs"); do
     hog_pids+=($!)
   done
   status=0
-  (cd "$dir" && MINIOFFLOAD_REQUIRE_BROWSER="${MINIOFFLOAD_REQUIRE_BROWSER:-1}" make test) >>"$log" 2>&1 || status=$?
+  (cd "$dir" && MINIOFFLOAD_REQUIRE_BROWSER="${MINIOFFLOAD_REQUIRE_BROWSER:-1}" make test NBVAL_FLAGS=-vv) >>"$log" 2>&1 || status=$?
   stop_hogs
   end=$(date +%s)
   verdict=$([ "$status" = 0 ] && echo PASS || echo FAIL)

@@ -50,6 +50,7 @@ from torch import nn
 
 from ..units import format_bytes
 from .streamed_blocks import _Block, find_blocks, plan
+from .streamed_state import state_dict_hooks
 
 __all__ = ["HOMES", "ParamStreamer", "find_blocks", "plan"]
 
@@ -114,7 +115,7 @@ class ParamStreamer:
             self._bounces = [self.dev.host_empty(max(sizes), torch.uint8) for _ in range(count)]
         dev.place(to_place)
         self._hooks = [hook for block, module in zip(self.blocks, modules, strict=True)
-                       for hook in [*self._register(block, module), *self._register_state(block, module)]]
+                       for hook in [*self._register(block, module), *state_dict_hooks(self, block, module)]]
 
     # homes ------------------------------------------------------------------------------------
     def _make_home(self, block: _Block) -> None:
@@ -161,47 +162,6 @@ class ParamStreamer:
             return self._mark(output, lambda: self._use(block, backward=True))  # its output's grad: backward next
 
         return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
-
-    def _register_state(self, block: _Block, module: nn.Module) -> list:
-        """state_dict hooks: a streamed weight's value comes from home and goes home (its device tensor may have no
-        memory)."""
-        local = {id(p): name for name, p in module.named_parameters()}
-        names = [local[id(p)] for p in block.params]
-
-        def saved(_, state_dict, prefix, local_metadata):
-            for param, name in zip(block.params, names, strict=True):
-                if prefix + name in state_dict:
-                    # a compact copy: torch.save of a view writes its whole storage
-                    state_dict[prefix + name] = self.host_value(param).clone()
-
-        loaded: list[str] = []
-
-        def loading(_, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-            if any(prefix + name in state_dict for name in names):
-                self.quiesce()
-            for param, name in zip(block.params, names, strict=True):
-                value = state_dict.get(prefix + name)
-                if value is None:
-                    continue
-                if value.shape != param.shape:
-                    errors.append(f"size mismatch for {prefix + name}: copying a param with shape {tuple(value.shape)}"
-                                  f" from checkpoint, the shape in current model is {tuple(param.shape)}.")
-                    continue
-                self.set_weights(param, value.detach().to("cpu", param.dtype))
-                del state_dict[prefix + name]  # written home: torch's own copy into the empty device tensor is skipped
-                loaded.append(prefix + name)
-            if self.swapper is not None:
-                self.updated()
-
-        def after_load(_, incompatible):
-            for key in loaded:  # taken out above, so torch counts them missing: they were loaded
-                if key in incompatible.missing_keys:
-                    incompatible.missing_keys.remove(key)
-            loaded.clear()
-
-        return [module.register_state_dict_post_hook(saved),
-                module.register_load_state_dict_pre_hook(loading),
-                module.register_load_state_dict_post_hook(after_load)]
 
     @staticmethod
     def _mark(value, callback):

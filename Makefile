@@ -18,6 +18,11 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 # verdict in them is a ratio measured side by side in one run, with a margin that holds on a busy machine
 # (tools/stress_test_suite.sh runs the whole of `make test` with a busy CPU process beside it).
 TEST_WORKERS ?= 2
+# ...and each worker computes on one thread. torch's and Numba's OpenMP threads spin while they wait for each other:
+# with two cores, two threads in a process and anything else running, one short training took ten times as long
+# (6.6 s alone, 67 s beside one busy process; on one thread 20 s).
+TEST_THREADS ?= 1
+test: export OMP_NUM_THREADS = $(TEST_THREADS)
 PYTEST := $(BIN)/python -m pytest -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 # NBVAL_FLAGS=-vv shows a failing cell's whole output (tools/stress_test_suite.sh sets it)
 NBVAL := $(PYTEST) --nbval --nbval-cell-timeout=600 --nbval-sanitize-with tests/nbval_sanitize.cfg $(NBVAL_FLAGS)

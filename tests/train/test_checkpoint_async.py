@@ -243,25 +243,29 @@ KILLED = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
     from helpers import HYPER, Toy, batch, loss_of, on_sim
-    from minioffload.train.checkpoint_async import AsyncCheckpointer, load_latest
+    from minioffload.train.checkpoint_async import AsyncCheckpointer, complete, load_latest
     from minioffload.devices import device
     from minioffload.engine.optimizer import OffloadAdam
 
-    directory, steps, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume"
-    with device("sim") as dev:
-        torch.manual_seed(0)
-        model = on_sim(Toy(width=64), dev)
-        opt = OffloadAdam(model.parameters(), dev, subgroup_numel=4096, max_grad_norm=1.0, **HYPER)
-        ckpt = AsyncCheckpointer(directory, model, opt, keep=3)
-        start = load_latest(directory, model, opt)[0] if resume else 0
-        for step in range(start, steps):
-            loss_of(model, *batch(step)).backward()
-            opt.step()
-            opt.zero_grad()
-            ckpt.save(step + 1)
-            print("saved", step + 1, flush=True)
-        ckpt.close()
-        torch.save([p.detach().clone() for p in model.parameters()], directory + "/final.pt")
+    def run(directory, steps):  # from the newest complete checkpoint in `directory`, if there is one
+        with device("sim") as dev:
+            torch.manual_seed(0)
+            model = on_sim(Toy(width=64), dev)
+            opt = OffloadAdam(model.parameters(), dev, subgroup_numel=4096, max_grad_norm=1.0, **HYPER)
+            ckpt = AsyncCheckpointer(directory, model, opt, keep=3)
+            start = load_latest(directory, model, opt)[0] if complete(ckpt.directory) else 0
+            for step in range(start, steps):
+                loss_of(model, *batch(step)).backward()
+                opt.step()
+                opt.zero_grad()
+                ckpt.save(step + 1)
+                print("saved", step + 1, flush=True)
+            ckpt.close()
+            torch.save([p.detach().clone() for p in model.parameters()], directory + "/final.pt")
+
+    steps, directories = int(sys.argv[1]), sys.argv[2:]
+    for directory in directories:  # one process finishes several runs: each starts from a fresh device and model
+        run(directory, steps)
 """)
 
 
@@ -271,15 +275,10 @@ def test_a_run_killed_while_a_checkpoint_is_in_flight_resumes_bit_for_bit(tmp_pa
     script.write_text(KILLED.format(tests=str(Path(__file__).parents[1])))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     steps = 12
-    straight = tmp_path / "straight"
-    straight.mkdir()
-    subprocess.run([sys.executable, str(script), str(straight), str(steps), "fresh"], check=True, env=env,
-                   capture_output=True)
-    reference = torch.load(straight / "final.pt")
-    for trial, kill_after in enumerate((2, 5, 8)):  # saves seen before the kill: it lands during a later one
-        run = tmp_path / f"killed{trial}"
+    runs = {kill_after: tmp_path / f"killed-after-{kill_after}" for kill_after in (2, 5, 8)}
+    for trial, (kill_after, run) in enumerate(runs.items()):  # saves seen before the kill: it lands in a later one
         run.mkdir()
-        child = subprocess.Popen([sys.executable, str(script), str(run), str(steps), "fresh"], env=env,
+        child = subprocess.Popen([sys.executable, str(script), str(steps), str(run)], env=env,
                                  stdout=subprocess.PIPE, text=True)
         for _ in range(kill_after):
             child.stdout.readline()
@@ -287,10 +286,15 @@ def test_a_run_killed_while_a_checkpoint_is_in_flight_resumes_bit_for_bit(tmp_pa
         child.send_signal(signal.SIGKILL)
         child.wait()
         assert not (run / "final.pt").exists()
-        subprocess.run([sys.executable, str(script), str(run), str(steps), "resume"], check=True, env=env,
-                       capture_output=True)
+        assert checkpoint_async.complete(run), "the kill came before the first checkpoint was complete"
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    subprocess.run([sys.executable, str(script), str(steps), str(straight), *map(str, runs.values())], check=True,
+                   env=env, capture_output=True)
+    reference = torch.load(straight / "final.pt")
+    for kill_after, run in runs.items():
         resumed = torch.load(run / "final.pt")
-        assert all(torch.equal(a, b) for a, b in zip(reference, resumed, strict=True)), trial
+        assert all(torch.equal(a, b) for a, b in zip(reference, resumed, strict=True)), kill_after
 
 
 @pytest.mark.parametrize("paths", [1, 2])

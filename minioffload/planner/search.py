@@ -31,6 +31,7 @@ model's FLOP/s utilisation here (on a real GPU small micro-batches run less effi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -270,12 +271,12 @@ def _evaluate(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capaci
     offloaded = sum(o.host_bytes * solution.counts.get(o.name, 0) for o in problem.options)
     draft = Plan(model, name, limits.precision, c.micro_batch, accum, c.optimizer_on, c.params_on, policies, c.prefetch,
                  c.subgroup_numel, c.delay, gpu_fraction, ranks=limits.ranks)  # its predictions come next
-    prediction = stepmodel.predict(model.workload(c.micro_batch * model.seq_len, limits.precision), hw,
-                                   draft.step_config(limits.mfu))
+    predicted_s, predicted_busy, predicted_bound = _predicted(
+        model.workload(c.micro_batch * model.seq_len, limits.precision), hw, draft.step_config(limits.mfu))
     extra = sum(o.extra_s * solution.counts.get(o.name, 0) for o in problem.options)  # already x accum
     overhead = model.n_layer * limits.block_overhead_s  # the first micro-batch's (predict counts FLOPs only)
-    step_s = prediction.step_s + overhead + extra + (accum - 1) * _accumulation_s(model, hw, c, limits)
-    busy = dict(prediction.busy)  # one micro-batch's lanes; the others' compute and gradient copies added
+    step_s = predicted_s + overhead + extra + (accum - 1) * _accumulation_s(model, hw, c, limits)
+    busy = dict(predicted_busy)  # one micro-batch's lanes; the others' compute and gradient copies added
     busy["compute"] = busy.get("compute", 0.0) + overhead + extra + (accum - 1) * _compute_s(model, hw, c, limits)
     if c.optimizer_on != "device" and accum > 1:
         mb = 2 if limits.precision != "fp32" else 4
@@ -285,7 +286,7 @@ def _evaluate(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capaci
             busy["net"] = busy.get("net", 0.0) + (accum - 1) * ring_bytes("reduce", model.num_params * mb,
                                                                          limits.ranks) / hw.interconnect
     used = {"device": base["device"] + held + fixed, "host": base["host"] + offloaded, "nvme": base["nvme"]}
-    bound = prediction.bound
+    bound = predicted_bound
     if accum > 1:  # the other micro-batches' lanes count: the busiest resource (stepmodel's: one drive, one host)
         per_resource: dict[str, float] = {}
         for lane, seconds in busy.items():
@@ -295,6 +296,15 @@ def _evaluate(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capaci
     plan = dataclasses.replace(draft, step_s=step_s, memory={k: round(v) for k, v in used.items()}, bound=bound,
                                busy=busy, capacity=dict(capacity))
     return plan, {}
+
+
+@functools.lru_cache(maxsize=4096)
+def _predicted(work: stepmodel.Workload, hw: Hardware, config: stepmodel.StepConfig) -> tuple[float, dict, str]:
+    """stepmodel's step of one configuration: its seconds, busy seconds per lane and bound. Searches under other
+    limits (the what-if tables, the explorers' grids of capacities) meet the same configurations again; each is
+    predicted once per process. (Workload, Hardware and StepConfig are frozen: equal ones predict equally.)"""
+    predicted = stepmodel.predict(work, hw, config)
+    return predicted.step_s, dict(predicted.busy), predicted.bound
 
 
 def prediction(p: Plan, hw: Hardware, limits: Limits | None = None) -> stepmodel.Prediction:

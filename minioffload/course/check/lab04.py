@@ -287,6 +287,13 @@ def _update_run(fn: Callable, layout: list[list[int]], lr: float, weight_decay: 
             real_copy(dst, src, stream, name)
 
         dev.copy = copy
+        h2d_synchronize = h2d.synchronize
+
+        def spied_h2d_synchronize():
+            spy.log.append(("sync",))
+            h2d_synchronize()
+
+        h2d.synchronize = spied_h2d_synchronize
         for step in range(1, UPDATE_STEPS + 1):
             for i, (p, ref) in enumerate(zip(params, reference, strict=True)):
                 grad = torch.randn(p.shape, generator=g) * 10 ** (i % 3 - 1)  # scales 0.1, 1, 10
@@ -297,9 +304,9 @@ def _update_run(fn: Callable, layout: list[list[int]], lr: float, weight_decay: 
                 sub["grad"][offset: offset + p.numel()].copy_(grad.reshape(-1))
             before = [sub["exp_avg"].clone() for sub in subgroups]
             uploads: list = []
-            spans_before = len(dev.trace.on("h2d"))
+            spans_before, calls_before = len(dev.trace.on("h2d")), len(spy.log)
             event = fn(dev, h2d, subgroups, step, lr, weight_decay)
-            done_at_return = len(dev.trace.on("h2d")) - spans_before  # each upload takes over 1 ms on this link
+            calls = spy.log[calls_before:]
             opt.step()
             what = f"step {step} ({len(layout)} subgroup{'s' * (len(layout) > 1)})"
 
@@ -322,13 +329,22 @@ def _update_run(fn: Callable, layout: list[list[int]], lr: float, weight_decay: 
                     "subgroup's update")
             assert sorted(i for i, _, _ in uploads) == list(range(len(params))), (
                 f"{what}: some parameters were uploaded twice and others never; each parameter goes up once")
-            assert done_at_return < len(uploads), (
-                f"{what}: all {len(uploads)} uploads had finished when your function returned: it waited for "
-                "them (a synchronize in the loop?), so the CPU sat idle while the link worked; the uploads must "
-                "still be queued on return, and the caller waits on the event instead")
+            # from the calls made, not from what the link finished meanwhile: a busy machine can delay the host
+            # until every upload is done, and the verdict must not change with it
+            first_upload = next(n for n, entry in enumerate(calls) if entry[0] == "copy")
+            assert ("sync",) not in calls[first_upload:], (
+                f"{what}: your function waited on the host (a synchronize in the loop?) after an upload was "
+                "enqueued, so the CPU sat idle while the link worked; the uploads must still be queued on return, "
+                "and the caller waits on the event instead")
             streams = spy.recorded_on(event)
             assert streams, (f"{what}: the event you returned was never recorded, so it marks no point after the "
                              "uploads")
+            last_record = max((n for n, entry in enumerate(calls) if entry[:2] == ("record", id(event))), default=-1)
+            last_upload = max(n for n, entry in enumerate(calls) if entry[0] == "copy")
+            assert streams[-1] is h2d and last_record > last_upload, (
+                f"{what}: the event you returned was last recorded on {_stream_name(streams[-1])}"
+                f"{'' if last_record > last_upload else ' before the last upload'}, so it can fire before all the "
+                "uploads had finished: record it on h2d after the last dev.copy")
             dev.compute_waits_for(event)
             done = len(dev.trace.on("h2d")) - spans_before
             assert done == len(params), (

@@ -19,8 +19,8 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 # (tools/stress_test_suite.sh runs the whole of `make test` with a busy CPU process beside it).
 TEST_WORKERS ?= 2
 # ...and each worker computes on one thread. torch's and Numba's OpenMP threads spin while they wait for each other:
-# with two cores, two threads in a process and anything else running, one short training took ten times as long
-# (6.6 s alone, 67 s beside one busy process; on one thread 20 s).
+# with two cores, two threads in a process and anything else running, four short trainings took ten times as long
+# (6.6 s alone, 67 s beside one busy process; on one thread, 20 s beside it).
 TEST_THREADS ?= 1
 test: export OMP_NUM_THREADS = $(TEST_THREADS)
 PYTEST := $(BIN)/python -m pytest -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile

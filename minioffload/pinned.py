@@ -27,10 +27,28 @@ import torch
 
 ALIGNMENT = 4096  # one page; also a valid O_DIRECT alignment on common filesystems
 
-_registered: dict[int, int] = {}  # start address -> length, of buffers this module handed out as pinned
-# Reentrant: `_unregister` runs from a weakref finalizer, which garbage collection can start inside a
-# section that already holds the lock on the same thread; a plain Lock would deadlock there.
+# Start address -> length, of buffers this module handed out as pinned. Copy-on-write: a published dict never
+# changes, a change publishes a new one. `_unregister` runs from a weakref finalizer, which a garbage collection can
+# start on this thread at any allocation, even inside CPython 3.11's `dict.copy()` of this very dict (the copy then
+# holds the old entries under the new count: "dictionary keys changed during iteration"). Readers take the current
+# dict and read it without a lock.
+_registered: dict[int, int] = {}
+# Reentrant: the finalizer can start inside a section that already holds the lock on the same thread; a plain Lock
+# would deadlock there.
 _registry_lock = threading.RLock()
+
+
+def _publish(add: tuple[int, int] | None = None, remove: int | None = None) -> None:
+    global _registered
+    with _registry_lock:
+        while True:
+            current = _registered
+            updated = {start: length for start, length in current.items() if start != remove}
+            if add is not None:
+                updated[add[0]] = add[1]
+            if _registered is current:  # else a finalizer published while we copied: build on its registry
+                _registered = updated
+                return
 
 
 def _cuda() -> bool:
@@ -56,8 +74,7 @@ def aligned_empty(nbytes: int, alignment: int = ALIGNMENT, pin: bool = True) -> 
         address, locked = buffer.data_ptr(), _cuda()
         if locked:
             _page_lock(address, nbytes)
-        with _registry_lock:
-            _registered[address] = nbytes
+        _publish(add=(address, nbytes))
         # unregister (and unlock) when the last view of the memory dies, before NumPy frees it (an array's weakref
         # callbacks run before its memory goes); not at interpreter exit, when the CUDA runtime may be gone
         weakref.finalize(raw, _unregister, address, locked).atexit = False
@@ -67,8 +84,7 @@ def aligned_empty(nbytes: int, alignment: int = ALIGNMENT, pin: bool = True) -> 
 def _page_lock(address: int, nbytes: int) -> None:
     code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0))  # 0: cudaHostRegisterDefault
     if code != 0:
-        with _registry_lock:
-            held = sum(_registered.values())
+        held = sum(_registered.values())
         raise RuntimeError(f"could not page-lock {nbytes} bytes of host memory (cudaHostRegister: {_error_name(code)}) "
                            f"with {held} bytes already pinned here: check the locked-memory limit (`ulimit -l`; "
                            "`minioffload doctor` reports it) and free host memory, or pin less (smaller pools, "
@@ -84,8 +100,7 @@ def _error_name(code: int) -> str:
 
 
 def _unregister(address: int, locked: bool) -> None:
-    with _registry_lock:
-        _registered.pop(address, None)
+    _publish(remove=address)
     if locked:
         code = int(torch.cuda.cudart().cudaHostUnregister(address))
         if code != 0:  # a finalizer cannot raise to anyone: say it, the memory stays locked until the process ends
@@ -99,9 +114,8 @@ def is_pinned(tensor: torch.Tensor) -> bool:
     if tensor.device.type != "cpu":
         return False
     address = tensor.data_ptr()
-    with _registry_lock:
-        if any(start <= address < start + length for start, length in _registered.copy().items()):
-            return True
+    if any(start <= address < start + length for start, length in _registered.items()):
+        return True
     return _cuda() and tensor.is_pinned()
 
 

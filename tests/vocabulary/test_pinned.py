@@ -144,6 +144,26 @@ def test_a_buffer_freed_while_the_registry_lock_is_held_does_not_deadlock():
     assert done.wait(5), "freeing a pinned buffer inside the registry lock deadlocked"
 
 
+def test_a_registry_being_read_never_changes_under_its_reader():
+    # A garbage collection can start at any allocation on this thread and run a buffer's finalizer inside a read of
+    # the registry (Lab 7's check once failed so: CPython 3.11's dict.copy() collected midway, and the copy held the
+    # old entries under the new count). A reader must never see the dict it holds change.
+    import gc
+
+    from minioffload import pinned
+
+    buffer, kept = aligned_empty(4096), aligned_empty(4096)
+    address = buffer.data_ptr()
+    being_read = pinned._registered
+    as_read = dict(being_read)
+    del buffer
+    gc.collect()
+    assert address not in pinned._registered and kept.data_ptr() in pinned._registered
+    assert being_read == as_read, "unregistering changed the dict a reader may be iterating"
+    fresh = aligned_empty(4096)
+    assert being_read == as_read and is_pinned(fresh) and is_pinned(kept)
+
+
 # with CUDA: our own memory, page-locked for exactly its size (a fake cudart here; the GPU test is in
 # tests/devices/test_cuda_backend.py) ----------------------------------------------------------------------------
 

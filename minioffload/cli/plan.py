@@ -42,6 +42,9 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
     pl.add_argument("--nvme-gb", type=float, default=None, help="NVMe space, GB (default: unbounded; 0: no NVMe)")
     pl.add_argument("--precision", choices=PLAN_PRECISIONS, default=None,
                     help="default: mixed_bf16, or fp32 for a course GPT")
+    pl.add_argument("--attention", choices=("fused", "unfused"), default="fused",
+                    help="fused: one kernel that keeps no attention scores (torch's scaled_dot_product_attention, "
+                         "flash attention; the default); unfused: softmax(q k^T) v written out, which keeps them")
     pl.add_argument("--mfu", type=float, default=0.4, help="model FLOP/s utilisation of forward and backward")
     pl.add_argument("--top", type=int, default=6, help="plans to show, one per kind of configuration")
     pl.add_argument("--out", default="plan.json", metavar="FILE", help="where the chosen plan goes")
@@ -115,6 +118,7 @@ def check_plan_args(args: argparse.Namespace, pl: argparse.ArgumentParser) -> No
             args.spec = planner.ModelSpec.of_preset(args.model, args.seq_len)
         else:
             args.spec = planner.ModelSpec.of_params(args.params or 7e9, args.seq_len or 2048)
+        args.spec = dataclasses.replace(args.spec, fused_attention=args.attention == "fused")
         precision = args.precision or ("fp32" if args.model else "mixed_bf16")
         args.limits = planner.Limits(
             batch=args.batch, device_bytes=args.device_memory, precision=precision, mfu=args.mfu, ranks=args.ranks,

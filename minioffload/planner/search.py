@@ -51,6 +51,7 @@ PREFETCH_DEPTHS = (0, 1, 2, 3)
 # policies in the order blocks take them: the first blocks' activations wait longest for their backward
 POLICY_ORDER = ("offload_input", "offload", "recompute", "selective", "keep")
 LOGIT_BYTES = 8  # per token and vocabulary entry: fp32 logits and their gradient
+HEAD_VALUES = 2  # s b h values kept outside the blocks for backward: the final LayerNorm's input and the head's input
 
 
 class NoPlanError(ValueError):
@@ -164,15 +165,18 @@ def _state_bytes(model: ModelSpec, c: _Config, precision: str, ranks: int = 1) -
 
 def _problem(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capacity, base: dict, accum: int
              ) -> tuple[Problem, float]:
-    """The MILP of one configuration, and the device bytes outside it (the block in backward, the logits)."""
+    """The MILP of one configuration, and the device bytes outside it (the block in backward, the head's inputs, the
+    logits)."""
     value_bytes = 4 if limits.precision == "fp32" else 2
-    block = BlockShape(model.seq_len, c.micro_batch, model.d_model, model.n_head, value_bytes)
+    block = BlockShape(model.seq_len, c.micro_batch, model.d_model, model.n_head, value_bytes,
+                       model.fused_attention)
     costs = policy_costs(block, hw, limits.mfu)
     # an offloaded set waits on the device until its copy is done: the next block's forward runs beside it
     options = tuple(Option(p, costs[p].device_bytes, costs[p].link_bytes if p.startswith("offload") else 0,
                            costs[p].extra_s * accum, costs[p].link_bytes if p.startswith("offload") else 0)
                     for p in POLICY_ORDER)
-    fixed = block.saved_bytes() + LOGIT_BYTES * c.micro_batch * model.seq_len * model.vocab
+    head = HEAD_VALUES * c.micro_batch * model.seq_len * model.d_model * value_bytes
+    fixed = block.saved_bytes() + head + LOGIT_BYTES * c.micro_batch * model.seq_len * model.vocab
     host = math.inf if capacity["host"] is None else capacity["host"] - base["host"]
     sizes = pack_sizes(tensor_numels(model), c.subgroup_numel)
     # one subgroup's update on the CPU (Adam and the engine's host passes) and on the device (chapter 5's path)

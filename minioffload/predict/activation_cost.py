@@ -6,9 +6,11 @@
 
 One block's forward takes F = flops / (mfu x peak) and its backward 2F. Per policy:
 
-    keep           holds every saved tensor (Korthikanti et al.'s 34 s b h + 5 a s^2 b bytes); no extra time
+    keep           holds every saved tensor (Korthikanti et al.'s 34 s b h + 5 a s^2 b bytes, or 34 s b h with fused
+                   attention, which keeps no scores); no extra time
     recompute      holds the input (2 s b h); one more forward in backward: + F
-    selective      holds all but the attention scores; recomputes the attention core: + its FLOPs' time
+    selective      holds all but the attention scores; recomputes the attention core: + its FLOPs' time (with fused
+                   attention there are no scores to drop: it holds what keep holds and only adds time)
     offload        holds nothing between forward and backward; its bytes go down during the next block's
                    forward and come back during the previous block's backward: + max(0, bytes / link - F) down
                    and + max(0, bytes / link - 2F) up
@@ -31,30 +33,39 @@ POLICIES = ("keep", "recompute", "selective", "offload", "offload_input")
 @dataclass(frozen=True)
 class BlockShape:
     """One GPT block's work: `batch_size` sequences of `seq_len` tokens, `hidden` wide, `heads` heads; values of
-    `value_bytes` (2: bf16/fp16, as Korthikanti et al. count; the byte counts scale with it)."""
+    `value_bytes` (2: bf16/fp16, as Korthikanti et al. count; the byte counts scale with it). `fused_attention`:
+    the attention core is one kernel that keeps no scores (torch's scaled_dot_product_attention, the default, as
+    models.GPT runs it); False for softmax(q k^T) v written out, which keeps 5 a s^2 b bytes of them."""
 
     seq_len: int
     batch_size: int
     hidden: int
     heads: int
     value_bytes: int = 2
+    fused_attention: bool = True
 
     def __post_init__(self) -> None:
         activation_bytes_per_layer(self.seq_len, self.batch_size, self.hidden, self.heads)  # its checks
         if self.value_bytes not in (2, 4):
             raise ValueError(f"value_bytes must be 2 (16-bit) or 4 (fp32), got {self.value_bytes!r}")
+        if not isinstance(self.fused_attention, bool):
+            raise ValueError(f"fused_attention must be True or False, got {self.fused_attention!r}")
 
     @property
     def tokens(self) -> int:
         return self.seq_len * self.batch_size
 
     def saved_bytes(self) -> int:
-        """What `keep` holds: Korthikanti et al.'s count, scaled to the value size."""
-        return activation_bytes_per_layer(self.seq_len, self.batch_size, self.hidden, self.heads) \
-            * self.value_bytes // 2
+        """What `keep` holds: Korthikanti et al.'s count (without the scores when attention is fused), scaled to the
+        value size."""
+        return activation_bytes_per_layer(self.seq_len, self.batch_size, self.hidden, self.heads,
+                                          flash_attention=self.fused_attention) * self.value_bytes // 2
 
     def score_bytes(self) -> int:
-        """The attention scores' share of `saved_bytes` (softmax output, its mask, the dropped scores)."""
+        """The attention scores' share of `saved_bytes` (softmax output, its mask, the dropped scores); none when
+        attention is fused."""
+        if self.fused_attention:
+            return 0
         return 5 * self.heads * self.seq_len ** 2 * self.batch_size * self.value_bytes // 2
 
     def input_bytes(self) -> int:

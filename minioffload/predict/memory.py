@@ -249,7 +249,7 @@ ACTIVATION_POLICIES = ("keep", "recompute", "selective", "offload", "offload_inp
 
 
 def activation_bytes(num_layers: int, seq_len: int, batch_size: int, hidden: int, num_heads: int,
-                     policy: str = "keep", value_bytes: int = 2) -> int:
+                     policy: str = "keep", value_bytes: int = 2, fused_attention: bool = False) -> int:
     """Activations on the device at the start of backward, for a stack of `num_layers` blocks under one policy:
     every block but one holds what the policy keeps, and the block in backward holds its whole set again
     (recomputed or brought back): (num_layers - 1) x held + keep. Per block, with chapter 7's policies:
@@ -260,7 +260,9 @@ def activation_bytes(num_layers: int, seq_len: int, batch_size: int, hidden: int
         offload        nothing: the saved tensors wait in host memory (not counted here)
         offload_input  nothing: the input waits in host memory
 
-    `value_bytes`: 2 for 16-bit activations (the formula's), 4 for fp32 (twice the bytes).
+    `value_bytes`: 2 for 16-bit activations (the formula's), 4 for fp32 (twice the bytes). `fused_attention`: the
+    attention kernel keeps no scores (torch's scaled_dot_product_attention, flash attention): keep and the block in
+    backward drop the a s^2 term, and selective holds what keep holds.
     """
     _require(policy, ACTIVATION_POLICIES, "activation policy")
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
@@ -268,7 +270,7 @@ def activation_bytes(num_layers: int, seq_len: int, batch_size: int, hidden: int
     if value_bytes not in (2, 4):
         raise ValueError(f"value_bytes must be 2 (16-bit) or 4 (fp32), got {value_bytes!r}")
     shape = (seq_len, batch_size, hidden, num_heads)
-    keep = activation_bytes_per_layer(*shape)
+    keep = activation_bytes_per_layer(*shape, flash_attention=fused_attention)
     held = {"keep": keep, "recompute": activation_bytes_per_layer(*shape, checkpointing=True),
             "selective": activation_bytes_per_layer(*shape, flash_attention=True)}.get(policy, 0)
     return ((num_layers - 1) * held + keep) * value_bytes // 2

@@ -29,7 +29,10 @@ def tensor_numels(model: ModelSpec) -> list[int]:
 @dataclass(frozen=True)
 class ModelSpec:
     """A GPT: `n_layer` blocks `d_model` wide with `n_head` heads, a vocabulary of `vocab` tokens, context
-    `seq_len`, biases and a tied head (models.GPT and GPT-3's layout). `preset`: the course GPT it is, if any."""
+    `seq_len`, biases and a tied head (models.GPT and GPT-3's layout). `preset`: the course GPT it is, if any.
+    `fused_attention`: its attention is one fused kernel that keeps no attention scores for backward (torch's
+    `scaled_dot_product_attention`, which models.GPT calls; flash attention); False for an attention written out as
+    softmax(q k^T) v, which keeps them."""
 
     n_layer: int
     d_model: int
@@ -37,6 +40,7 @@ class ModelSpec:
     vocab: int
     seq_len: int
     preset: str | None = None
+    fused_attention: bool = True
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "d_model", "n_head", "vocab", "seq_len"):
@@ -45,6 +49,8 @@ class ModelSpec:
                 raise ValueError(f"ModelSpec.{name} must be a positive int, got {value!r}")
         if self.d_model % self.n_head:
             raise ValueError(f"ModelSpec: d_model ({self.d_model}) must split into n_head ({self.n_head}) heads")
+        if not isinstance(self.fused_attention, bool):
+            raise ValueError(f"ModelSpec.fused_attention must be True or False, got {self.fused_attention!r}")
 
     @property
     def block_params(self) -> int:

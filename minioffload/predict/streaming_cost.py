@@ -38,7 +38,7 @@ def needed_bytes(model: Shape, params_on: str, prefetch: int, precision: str = "
                  sequences: int = 1) -> dict[str, int]:
     """Bytes per tier (memory.streamed_bytes) of `model` with every block recomputed, `sequences` of 2048 tokens."""
     acts = memory.activation_bytes(model.n_layer, CONTEXT, sequences, model.d_model, model.n_head, "recompute",
-                                   4 if precision == "fp32" else 2)
+                                   4 if precision == "fp32" else 2, model.fused_attention)
     return memory.streamed_bytes(model.num_params, model.n_layer, model.resident_params, params_on, prefetch,
                                  precision, nvme=params_on == "nvme", activations=acts, subgroup_numel=SUBGROUP)
 

@@ -12,7 +12,7 @@ from minioffload.predict.activation_cost import BlockShape, policy_costs
 # Task 9.1 --------------------------------------------------------------------------------------
 
 
-def fits_with(*, logits_bytes=8, full=True, one_fewer=False, in_flight=True, grads_on_device=False,
+def fits_with(*, logits_bytes=8, head=True, full=True, one_fewer=False, in_flight=True, grads_on_device=False,
               offloaded_on_host=True, offloaded_on_device=False, value_bytes=None, nvme_flag=True, streamed=True,
               negative=False, machine=False, nvme_none_is_zero=False):
     """A correct fits(), with switches that turn it into one plausible mistake at a time."""
@@ -38,6 +38,7 @@ def fits_with(*, logits_bytes=8, full=True, one_fewer=False, in_flight=True, gra
         held = cost.device_bytes + (offloaded if offloaded_on_device else 0)
         blocks = model.n_layer - 1 if one_fewer else model.n_layer
         need = {"device": state["device"] + blocks * held + full * block.saved_bytes() + in_flight * offloaded
+                + head * 2 * micro_batch * model.seq_len * model.d_model * (value_bytes or mb)
                 + logits_bytes * micro_batch * model.seq_len * model.vocab,
                 "host": state["host"] + model.n_layer * offloaded * (offloaded_on_host and not offloaded_on_device),
                 "nvme": state["nvme"]}
@@ -164,6 +165,7 @@ REFERENCE = {
 WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("9.1", fits_with(logits_bytes=0), "no logits"),
     ("9.1", fits_with(logits_bytes=4), "the logits at the model's dtype"),
+    ("9.1", fits_with(head=False), "no head inputs"),
     ("9.1", fits_with(full=False), "no block in backward"),
     ("9.1", fits_with(one_fewer=True), "memory.activation_bytes counts"),
     ("9.1", fits_with(in_flight=False), "no set in flight"),

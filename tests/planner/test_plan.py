@@ -105,10 +105,30 @@ def test_every_plan_fits_by_the_calculator(spec, hardware, limits):
         assert p.memory["device"] >= state
         if set(p.activations) == {"keep"}:
             acts = memory.activation_bytes(spec.n_layer, spec.seq_len, p.micro_batch, spec.d_model, spec.n_head,
-                                           "keep", 4 if p.precision == "fp32" else 2)
+                                           "keep", 4 if p.precision == "fp32" else 2, spec.fused_attention)
             assert p.memory["device"] >= state + acts
         assert p.micro_batch * p.grad_accum == limits.batch
         assert p.step_s > 0 and p.bound
+
+
+def test_the_planner_picks_selective_only_where_the_attention_keeps_scores():
+    # with a fused kernel (the default, as models.GPT runs torch's SDPA) selective holds what keep holds: no plan uses
+    # it; with attention written out it drops the scores and the planner uses it
+    spec, hw = SETUPS[3][0], profiles.preset(SETUPS[3][1])
+    fused = plan.search(spec, hw, SETUPS[3][2])
+    unfused = plan.search(dataclasses.replace(spec, fused_attention=False), hw, SETUPS[3][2])
+    assert spec.fused_attention and fused and not any("selective" in p.activations for p in fused)
+    assert any("selective" in p.activations for p in unfused)
+
+
+
+def test_the_plan_command_takes_the_attention_kernel(tmp_path, capsys):
+    for attention in ("fused", "unfused"):
+        out = tmp_path / f"{attention}.json"
+        assert main(["plan", "--model", "tiny", "--hardware", "laptop", "--batch", "4", "--attention", attention,
+                     "--out", str(out)]) == 0
+        assert Plan.load(out).model.fused_attention == (attention == "fused")
+    capsys.readouterr()
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@ from minioffload.machine import profiles
 from minioffload.predict import activation_cost as ac
 from minioffload.predict import memory
 
-BLOCK = ac.BlockShape(seq_len=2048, batch_size=4, hidden=1024, heads=16)
+BLOCK = ac.BlockShape(seq_len=2048, batch_size=4, hidden=1024, heads=16, fused_attention=False)
+FUSED = ac.BlockShape(seq_len=2048, batch_size=4, hidden=1024, heads=16)  # the default: torch's SDPA
 
 
 def test_bytes_held_follow_chapter_one():
@@ -17,8 +18,23 @@ def test_bytes_held_follow_chapter_one():
     assert costs["selective"].device_bytes == memory.activation_bytes_per_layer(2048, 4, 1024, 16,
                                                                                  flash_attention=True)
     assert costs["offload"].device_bytes == 0 and costs["offload"].link_bytes == costs["keep"].device_bytes
-    fp32 = ac.BlockShape(2048, 4, 1024, 16, value_bytes=4)
+    fp32 = ac.BlockShape(2048, 4, 1024, 16, value_bytes=4, fused_attention=False)
     assert fp32.saved_bytes() == 2 * BLOCK.saved_bytes()
+
+
+def test_a_fused_kernel_keeps_no_scores_and_selective_then_saves_nothing():
+    hw = profiles.preset("h100-sxm")
+    fused = ac.policy_costs(FUSED, hw)
+    assert FUSED.score_bytes() == 0
+    assert fused["keep"].device_bytes == memory.activation_bytes_per_layer(2048, 4, 1024, 16, flash_attention=True)
+    assert fused["offload"].link_bytes == fused["keep"].device_bytes < ac.policy_costs(BLOCK, hw)["keep"].device_bytes
+    assert fused["selective"].device_bytes == fused["keep"].device_bytes and fused["selective"].extra_s > 0
+    # the scores are what made offload slow to hide: without them it hides at a lower bandwidth
+    assert ac.offload_hidden_link(FUSED, hw) < ac.offload_hidden_link(BLOCK, hw)
+    # selective is never the best: whatever budget keep misses, selective misses too
+    for budget in (fused["keep"].device_bytes, fused["keep"].device_bytes - 1, fused["recompute"].device_bytes, 0):
+        assert ac.best_policy(FUSED, hw, budget).policy != "selective"
+    assert ac.best_policy(BLOCK, hw, ac.policy_costs(BLOCK, hw)["selective"].device_bytes).policy == "selective"
 
 
 def test_times_follow_the_flops_and_the_link():
@@ -49,5 +65,7 @@ def test_bad_shapes_are_refused():
         ac.BlockShape(128, 1, 100, 3)
     with pytest.raises(ValueError, match="value_bytes must be 2"):
         ac.BlockShape(128, 1, 128, 4, value_bytes=3)
+    with pytest.raises(ValueError, match="fused_attention must be True or False"):
+        ac.BlockShape(128, 1, 128, 4, fused_attention="yes")
     with pytest.raises(ValueError, match="mfu"):
         ac.policy_costs(BLOCK, profiles.preset("h100-sxm"), mfu=0)

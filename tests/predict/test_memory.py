@@ -169,6 +169,9 @@ def test_activation_bytes_per_policy():
     assert memory.activation_bytes(layers, s, b, h, a, "selective") == (layers - 1) * 34 * s * b * h + keep
     assert memory.activation_bytes(layers, s, b, h, a, "offload") == keep
     assert memory.activation_bytes(layers, s, b, h, a, "offload_input", value_bytes=4) == 2 * keep
+    fused = memory.activation_bytes_per_layer(s, b, h, a, flash_attention=True)  # no scores kept
+    assert memory.activation_bytes(layers, s, b, h, a, fused_attention=True) == layers * fused
+    assert memory.activation_bytes(layers, s, b, h, a, "selective", fused_attention=True) == layers * fused
     from minioffload.model import activations
     from minioffload.predict import activation_cost
     assert memory.ACTIVATION_POLICIES == activation_cost.POLICIES == activations.POLICIES

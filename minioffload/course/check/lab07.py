@@ -136,8 +136,8 @@ def fetch_order(fn: Callable) -> str:
 # Task 7.3: the policy the cost model picks
 
 PRESETS = ("h100-sxm", "gh200", "a100-pcie")
-SHAPES = tuple(BlockShape(seq_len=s, batch_size=b, hidden=h, heads=h // 128)
-               for s in (512, 2048, 8192) for b in (1, 8) for h in (1024, 4096, 8192))
+SHAPES = tuple(BlockShape(seq_len=s, batch_size=b, hidden=h, heads=h // 128, fused_attention=fused)
+               for s in (512, 2048, 8192) for b in (1, 8) for h in (1024, 4096, 8192) for fused in (True, False))
 
 
 def _budgets(costs: dict) -> list[float]:

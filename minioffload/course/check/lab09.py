@@ -6,8 +6,8 @@ choice of activation policies and hybrid split) in lab09_search.py.
 Task 9.1 is checked against the planner's own count, asked through its parts: `plan._state_bytes` (the weights,
 gradients and optimizer state of a placement, by predict/memory.py's footprint, engine_bytes or streamed_bytes) and
 `plan._problem` (each activation policy's bytes per block and the offloaded set in flight, and what the planner adds
-outside the blocks: the block in backward and the logits). When the learner's bytes equal what a plausible mistake
-gives, the verdict names it. Verdicts carry counts and sizes, never timings.
+outside the blocks: the block in backward, the head's inputs and the logits). When the learner's bytes equal what a
+plausible mistake gives, the verdict names it. Verdicts carry counts and sizes, never timings.
 """
 
 from __future__ import annotations
@@ -72,18 +72,20 @@ class Case:
 @dataclasses.dataclass(frozen=True)
 class Parts:
     """The planner's count of one case, in pieces: state per tier, a block's activations under the policy (device,
-    host), an offloaded set in flight, the block in backward, the logits."""
+    host), an offloaded set in flight, the block in backward, the head's inputs, the logits."""
 
     state: dict
     held: float
     offloaded: float
     in_flight: float
     full: float
+    head: float
     logits: float
     n_layer: int
 
     def need(self) -> dict:
-        return {"device": self.state["device"] + self.n_layer * self.held + self.in_flight + self.full + self.logits,
+        return {"device": self.state["device"] + self.n_layer * self.held + self.in_flight + self.full + self.head
+                + self.logits,
                 "host": self.state["host"] + self.n_layer * self.offloaded, "nvme": self.state["nvme"]}
 
 
@@ -95,9 +97,11 @@ def parts(case: Case, precision: str | None = None) -> Parts:
     problem, outside = plan._problem(case.model, case.hw, case.config, limits, capacity, state, 1)
     option = next(o for o in problem.options if o.name == case.policy)
     logits = plan.LOGIT_BYTES * case.micro_batch * case.model.seq_len * case.model.vocab
+    value_bytes = 4 if limits.precision == "fp32" else 2
+    head = plan.HEAD_VALUES * case.micro_batch * case.model.seq_len * case.model.d_model * value_bytes
     in_flight = getattr(option, "in_flight_bytes", 0.0)
-    return Parts(dict(state), option.device_bytes, option.host_bytes, in_flight, outside - logits, logits,
-                 case.model.n_layer)
+    return Parts(dict(state), option.device_bytes, option.host_bytes, in_flight, outside - logits - head, head,
+                 logits, case.model.n_layer)
 
 
 @functools.lru_cache(maxsize=1)
@@ -142,6 +146,9 @@ def _mistakes(case: Case, p: Parts) -> list[tuple[str, dict]]:
         ("the logits at the model's dtype: they and their gradient are fp32, plan.LOGIT_BYTES = 8 bytes per token and "
          "vocabulary entry", _with(p, logits=p.logits * mb / 8)),
     ]
+    out.append(("no head inputs: outside the blocks the final LayerNorm's input and the head's input (plan.HEAD_VALUES "
+                "= 2 values of micro_batch x seq_len x d_model, at the activations' value size) stay on the device "
+                "until the backward reaches them", _with(p, head=0)))
     if p.in_flight:  # first: for offload it equals the full set, and keep's cases (no set in flight) come first
         out.append(("no set in flight: with offload or offload_input, one block's set (its link_bytes) is still on "
                     "the device while its copy to the host runs beside the next block's forward, once for the stack",
@@ -165,7 +172,8 @@ def _mistakes(case: Case, p: Parts) -> list[tuple[str, dict]]:
         low = parts(case, "mixed_bf16")
         out.append(("activations counted at 2 bytes per value: an fp32 model's activations are fp32, twice "
                     "Korthikanti et al.'s 16-bit count (BlockShape(..., value_bytes=4))",
-                    _with(p, held=low.held, offloaded=low.offloaded, in_flight=low.in_flight, full=low.full)))
+                    _with(p, held=low.held, offloaded=low.offloaded, in_flight=low.in_flight, full=low.full,
+                          head=low.head)))
     if offloaded:
         state = dict(p.state)
         state["device"] += model.num_params * mb
@@ -200,7 +208,8 @@ def _need_hint(case: Case, p: Parts, got: dict, want: dict) -> str:
         flight = f", one set in flight {p.in_flight:,.0f}" if p.in_flight else ""
         return (f"the device holds the state {p.state['device']:,.0f} (weights, and gradients and optimizer state "
                 f"where the placement keeps them), {p.n_layer} blocks x {p.held:,.0f} held under {case.policy!r}"
-                f"{flight}, the block in backward's full set {p.full:,.0f}, and the logits {p.logits:,.0f}")
+                f"{flight}, the block in backward's full set {p.full:,.0f}, the head's inputs {p.head:,.0f} and the "
+                f"logits {p.logits:,.0f}")
     if tier == "host":
         return (f"pinned host memory holds the offloaded state {p.state['host']:,.0f} and {p.n_layer} blocks x "
                 f"{p.offloaded:,.0f} of offloaded activations")

@@ -76,7 +76,7 @@ def _mistakes(p: Plan, hw: profiles.Hardware, limits: plan.Limits) -> list[tuple
     mb = 4 if p.precision == "fp32" else 2
     one = plan.prediction(p, hw, limits).step_s
     overhead = model.n_layer * limits.block_overhead_s
-    block = BlockShape(model.seq_len, p.micro_batch, model.d_model, model.n_head, mb)
+    block = BlockShape(model.seq_len, p.micro_batch, model.d_model, model.n_head, mb, model.fused_attention)
     costs = policy_costs(block, hw, limits.mfu)
     per_pass = sum(costs[a].extra_s for a in p.activations)
     more = plan._accumulation_s(model, hw, c, limits)

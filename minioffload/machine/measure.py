@@ -26,26 +26,24 @@ from numba import prange
 from ..units import MiB
 
 
-def _median_seconds(fn, repeats: int) -> float:
+def _times(fn, repeats: int) -> list[float]:
     fn()  # warm-up: first touch, allocator, thread start
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    return statistics.median(_times(fn, repeats))
 
 
 def _fastest_seconds(fn, repeats: int) -> float:
-    """The fastest of `repeats` timed calls (after a warm-up): for a copy that waits on a clock of its own (the sim's
-    link), other work on the host only ever adds time, so the fastest run is the copy itself."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    """The fastest of `repeats` timed calls: for a copy that waits on a clock of its own (the sim's link), other work
+    on the host only ever adds time, so the fastest run is the copy itself."""
+    return min(_times(fn, repeats))
 
 
 def host_memory_bandwidth(nbytes: int = 256 * MiB, repeats: int = 5) -> float:

@@ -12,7 +12,8 @@
     offload        saved-tensor hooks: pack copies each saved tensor to pinned host memory on a copy stream
                    (D2H) and lets the device copy go; in backward, the first unpack of block i brings block i's
                    tensors back (H2D) and starts block i-1's, so the next block's copies run under this one's
-                   backward
+                   backward; a block's forward waits until every earlier block's set but the last has left, so
+                   the device holds at most two sets however slow the link
     offload_input  recompute, with the block's inputs (all checkpoint keeps) sent to the host as offload sends its
                    saved tensors
 
@@ -109,6 +110,7 @@ class Activations:
         # a forward never backpropagated drops them with its graph
         self._waiting: dict[int, list[weakref.ref]] = {}
         self._last_left = None  # event after the last D2H copy issued
+        self._leaving: list = []  # per offloading block's forward, in order: the event after its set's last copy
         self._patched: list[tuple[torch.nn.Module, str]] = []
         for index, (block, name) in enumerate(zip(blocks, policies, strict=True)):
             self._install(index, block, name)
@@ -128,16 +130,22 @@ class Activations:
             return
         elif name == "offload":
             def run(*args, **kwargs):
+                self._one_set_in_flight()
                 with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(index, t),
                                                                lambda packed: self._unpack(index, packed)):
-                    return forward(*args, **kwargs)
+                    out = forward(*args, **kwargs)
+                self._set_leaves()
+                return out
         else:  # offload_input: checkpoint saves only the inputs, and saves them through these hooks
             def run(*args, **kwargs):
                 if not torch.is_grad_enabled():
                     return forward(*args, **kwargs)
+                self._one_set_in_flight()
                 with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(index, t, force=True),
                                                                lambda packed: self._unpack(index, packed)):
-                    return checkpoint(_replaying(dev, forward), *args, use_reentrant=False, **kwargs)
+                    out = checkpoint(_replaying(dev, forward), *args, use_reentrant=False, **kwargs)
+                self._set_leaves()
+                return out
         block.forward = run
         self._patched.append((block, "forward"))
 
@@ -148,6 +156,19 @@ class Activations:
         self._patched.clear()
 
     # offload: pack in forward, fetch ahead in backward ------------------------------------------------------
+    def _one_set_in_flight(self) -> None:
+        """Before an offloading block's forward: every offloaded block's set but the last has left the device (the
+        host waits for its last copy). The device then holds at most two sets, the one whose copy runs beside this
+        forward and the one this forward makes, as the planner counts; without the wait, a forward that outruns the
+        link would pile sets up on the device, as many as the copies lag behind."""
+        while len(self._leaving) > 1:
+            self._leaving.pop(0).synchronize()
+
+    def _set_leaves(self) -> None:
+        """After an offloading block's forward: its set's last copy (the event after it) is the one to wait for."""
+        if self._last_left is not None and (not self._leaving or self._leaving[-1] is not self._last_left):
+            self._leaving.append(self._last_left)
+
     def _pack(self, index: int, tensor: torch.Tensor, force: bool = False):
         if tensor.device != self.dev.torch_device or tensor.numel() == 0:
             return tensor  # not device memory (fused attention saves 0-dim CPU tensors), or nothing: nothing to move
@@ -205,8 +226,11 @@ class Activations:
         if not waiting:
             return
         # after every D2H so far, not only these tensors': its own has landed in host memory, and the memory the
-        # others read may be handed out again (dev.empty below), which is safe only once they are done
+        # others read may be handed out again (dev.empty below), which is safe only once they are done. The host
+        # waits too, before it allocates: at the turn into the backward the last block's copies may still be on
+        # their way down, and its set would be on the device twice (once leaving, once coming back)
         self.h2d.wait(self._last_left)
+        self._last_left.synchronize()
         for packed in waiting:
             packed.device = self.dev.empty(tuple(packed.host.shape), packed.host.dtype, name=f"activation {index}")
         # the memory just allocated may be what a later block's backward, still queued on a GPU, has freed: the

@@ -33,6 +33,7 @@ EXPLORERS = [
     ("chapters/04_optimizer_offload.html", "timeline"),
     ("chapters/08_streaming.html", "streaming"),
     ("chapters/09_planning.html", "plan"),
+    ("chapters/appendix_hiding.html", "hiding"),
 ]
 
 pytestmark = pytest.mark.book_html

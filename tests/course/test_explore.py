@@ -14,9 +14,12 @@ import pytest
 from minioffload.course import explore
 from minioffload.course.explore.chart import JAVASCRIPT_MIME, VEGALITE_MIME
 from minioffload.course.explore.footprint import GB_EXPR
+from minioffload.course.explore.hiding import MECHANISMS, SIZES, THRESHOLD_EXPR, gpu_presets
 from minioffload.machine.profiles import preset
 from minioffload.planner import search as planner
+from minioffload.predict import hiding
 from minioffload.predict.memory import OPTIMIZERS, PLACEMENTS, PRECISIONS, TIERS, footprint
+from minioffload.predict.shapes import ModelSpec
 from minioffload.predict.stepmodel import StepConfig, Workload, predict
 from minioffload.trace import Trace
 from minioffload.units import GB
@@ -83,6 +86,34 @@ def test_the_footprint_chart_starts_where_it_is_told_and_binds_its_controls():
 def test_the_footprint_chart_refuses_bad_arguments_and_says_why(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         explore.footprint_chart(**kwargs)
+
+
+HIDING = {"weights streamed from host": (hiding.streamed_fetch, ("host",)),
+          "weights streamed from NVMe": (hiding.streamed_fetch, ("nvme",)),
+          "gradients to the host": (hiding.gradient_copies, ()), "delayed CPU update": (hiding.delayed_update, ()),
+          "lazy checkpoint write": (hiding.checkpoint_write, ())}
+
+
+@pytest.mark.parametrize("mfu", [0.15, 0.4, 0.9])
+def test_the_hiding_charts_thresholds_are_predict_hidings_at_every_mfu(mfu):
+    rows = explore.hiding_table()
+    assert len(rows) == len(gpu_presets()) * len(SIZES) * len(MECHANISMS)
+    for row in rows[::7]:
+        work, hw = ModelSpec.of_params(SIZES[row["size"]]).workload(2048), preset(row["preset"])
+        condition_of, home = HIDING[row["mechanism"]]
+        want = condition_of(work, hw, *home, mfu=mfu)
+        assert evaluate(THRESHOLD_EXPR, row, mfu=mfu) == pytest.approx(want.threshold, rel=1e-9)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"preset": "laptop-sim"}, "unknown GPU preset 'laptop-sim'"),
+    ({"size": "1T"}, "unknown size '1T'"),
+    ({"tokens": 10}, "tokens must be from 100"),
+    ({"mfu": 0}, "mfu must be from 0.05 to 1"),
+])
+def test_the_hiding_chart_refuses_bad_arguments_and_says_why(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        explore.hiding_chart(**kwargs)
 
 
 def a_trace() -> Trace:
@@ -172,7 +203,7 @@ def a_streamed_workload() -> Workload:
 def charts() -> list[explore.Chart]:
     return [explore.footprint_chart(), explore.timeline_chart(a_trace(), title="a </script> in a title"),
             explore.plan_chart(size=1.3e9, host_gb=1024, nvme_gb=0, grid=SMALL_GRID),
-            explore.streaming_chart(a_streamed_workload(), preset("h100-sxm"))]
+            explore.streaming_chart(a_streamed_workload(), preset("h100-sxm")), explore.hiding_chart()]
 
 
 @pytest.mark.parametrize("chart", charts(), ids=lambda c: c.name)

@@ -100,6 +100,32 @@ def test_each_policy_holds_at_most_its_budget_after_the_forward():
     assert all(held[policy] <= budgets[policy] for policy in POLICIES), held
 
 
+@pytest.mark.parametrize("policy", ["offload", "offload_input"])
+def test_a_forward_that_outruns_the_link_holds_at_most_two_sets(policy):
+    # the planner counts two offloaded sets on the device (one leaving beside the next block's forward, one being
+    # made); copies slower than the compute must not pile more up, in the forward or at the turn into the backward
+    from minioffload.devices import Link
+
+    def peaks(gbps):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=VOCAB, block_size=64, n_layer=5, n_head=2, n_embd=64))
+        with device("sim", h2d=Link(gbps * 1e9), d2h=Link(gbps * 1e9)) as dev:
+            dev.place(model)
+            acts = Activations(model.blocks, policy, dev)
+            base = dev.ledger.used("device")
+            _, loss = model(*batch(0))
+            forward = dev.ledger.peak("device") - base
+            one_set = sum(ref().host.nbytes for ref in acts._waiting[0])
+            loss.backward()
+            dev.synchronize()
+            return forward, dev.ledger.peak("device") - base, one_set
+
+    slow_forward, slow_step, one_set = peaks(0.02)  # a block's copy takes far longer than its forward
+    _, fast_step, _ = peaks(50.0)
+    assert slow_forward <= 2 * one_set + (64 << 10), (slow_forward, one_set)
+    assert slow_step <= fast_step + (64 << 10), (slow_step, fast_step)
+
+
 @pytest.mark.parametrize("policy, blocks, says", [
     ("fast", 3, "unknown activation policy 'fast'"),
     (["keep", "offload"], 3, "2 policies for 3 blocks"),

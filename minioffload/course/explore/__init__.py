@@ -5,6 +5,7 @@
     explore.timeline_chart(trace)             # chapters 2 and 4: a Trace's spans by lane, lane toggles, zoom
     explore.streaming_chart(work, hw)         # chapter 8: the step model's streamed step by depth, budget, link
     explore.plan_chart()                      # chapter 9: the planner's best plans over a precomputed grid
+    explore.hiding_chart()                    # the appendix: the tokens at which each transfer hides
 
 Each returns a `Chart`: JupyterLab draws it with its Vega-Lite renderer, the book with the Vega scripts it serves
 itself (chart.py says how). What needs Python (memory.footprint, plan.search) is computed here into data tables;
@@ -17,9 +18,10 @@ stay as they are.
 
 from .chart import Chart
 from .footprint import footprint_chart, footprint_table
+from .hiding import hiding_chart, hiding_table
 from .plan import DEFAULT_GRID, plan_chart, plan_grid
 from .streaming import streaming_chart, streaming_table
 from .timeline import timeline_chart, timeline_table
 
-__all__ = ["DEFAULT_GRID", "Chart", "footprint_chart", "footprint_table", "plan_chart", "plan_grid", "streaming_chart",
-           "streaming_table", "timeline_chart", "timeline_table"]
+__all__ = ["DEFAULT_GRID", "Chart", "footprint_chart", "footprint_table", "hiding_chart", "hiding_table", "plan_chart",
+           "plan_grid", "streaming_chart", "streaming_table", "timeline_chart", "timeline_table"]

@@ -225,11 +225,10 @@ class Activations:
         waiting = [packed for packed in (ref() for ref in self._waiting.pop(index, [])) if packed is not None]
         if not waiting:
             return
-        # after every D2H so far, not only these tensors': its own has landed in host memory, and the memory the
-        # others read may be handed out again (dev.empty below), which is safe only once they are done. The host
-        # waits too, before it allocates: at the turn into the backward the last block's copies may still be on
-        # their way down, and its set would be on the device twice (once leaving, once coming back)
-        self.h2d.wait(self._last_left)
+        # the host waits for every D2H so far, not only these tensors': their own have landed in host memory, the
+        # memory the others read may be handed out again (dev.empty below), and at the turn into the backward the
+        # last block's set is not on the device twice (once leaving, once coming back). The copies below are
+        # issued after the wait, so they are ordered after the D2H copies without a stream wait
         self._last_left.synchronize()
         for packed in waiting:
             packed.device = self.dev.empty(tuple(packed.host.shape), packed.host.dtype, name=f"activation {index}")

@@ -96,7 +96,7 @@ CASES = {  # name: (what to plant, the run that needs it, what the error names)
         r"the h2d copy 'h2d block \d' on stream 'stream weights h2d' writes device tensor 'streamed block \d#\d+' "
         r".* which the compute stream allocated after work"),
     "activation's prefetch waits for its offload": (
-        (SimStream, "wait", Activations._fetch), {"activations": "offload"},
+        (SimEvent, "synchronize", Activations._fetch), {"activations": "offload"},
         r"the h2d copy 'h2d activation \d' on stream .* reads pinned host buffer .* 'd2h activation \d'"),
 }
 

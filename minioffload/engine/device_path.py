@@ -4,7 +4,7 @@
     path.take_grad(slot)                   # backward's hook: the gradient stays on the device
     path.prefetch(sub)                     # from backward, once a streamed subgroup's gradients exist: state in
     path.queue(work, coef, hyper)          # returns at once; the device streams do the rest
-    path.cancel()                          # the host state changed (a checkpoint loaded): prefetched state dropped
+    path.cancel()                          # before the host state changes (a checkpoint loaded): prefetch dropped
     path.weights_written                   # the next forward waits for this event
     path.wait()                            # the host waits: weights written, streamed state home again
 
@@ -84,10 +84,11 @@ class DevicePath:
         return buffers
 
     def cancel(self) -> None:
-        """Drop the prefetched state, when the host's has changed (a checkpoint loaded): each set is free once its copy
-        in has run. A skipped step or a zero_grad() need not: the state they leave is the state brought in."""
+        """Drop the prefetched state before the host changes its own (a checkpoint loaded). The host waits for each
+        copy in: it reads the pinned state the host is about to write. A skipped step or a zero_grad() need not
+        cancel: the state they leave is the state brought in."""
         for buffers in self._fetched.values():
-            buffers["set"]["free"] = buffers["arrived"]
+            buffers["arrived"].synchronize()
         self._fetched.clear()
 
     def queue(self, work: list[tuple], coef: float, hyper: dict) -> None:

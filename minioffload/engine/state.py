@@ -80,9 +80,13 @@ def load(opt, state_dict: dict) -> None:
     are sent at the next step(), as they would have been (load the model's state_dict as well)."""
     opt.quiesce()
     packing = opt.packing
+    check(opt, state_dict)
     if opt.device_path is not None:
         opt.device_path.cancel()  # state a backward brought in is the old state: fetch it again
-    check(opt, state_dict)
+    if opt.weights.uploaded is not None:
+        opt.weights.uploaded.synchronize()  # the last upload may still read the masters written below
+    packing.dev.uses("loading a checkpoint", writes=[sub.buffers[name] for sub in packing.subgroups
+                                                       if packing.mine(sub) for name in STATE if name in sub.buffers])
     slots = list(packing.slots.values())
     saved = state_dict["state"]
     for group, saved_group in zip(opt.param_groups, state_dict["param_groups"], strict=True):
@@ -113,8 +117,6 @@ def load(opt, state_dict: dict) -> None:
     unsent = set(state_dict.get("unsent", [])) if opt.delayed else set()
     if opt.delayed:
         opt.delayed.unsent = [slot for index, slot in enumerate(slots) if index in unsent]
-        if opt.delayed.unsent and opt.weights.uploaded is not None:
-            opt.weights.uploaded.synchronize()  # an earlier upload may still read the upload buffers
         for slot in opt.delayed.unsent:
             DelayedUpdate.stash(slot)
     if opt.nvme is None and opt.shard is None:

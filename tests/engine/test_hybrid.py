@@ -244,7 +244,9 @@ def test_the_cupy_kernel_matches_torch_fused_adamw():
 
 def test_state_brought_in_during_backward_follows_a_loaded_checkpoint():
     """Backward brings the first streamed subgroups' state in before step(). A backward that ends in zero_grad()
-    leaves that state valid; a checkpoint loaded after it must replace it, or the step updates the old state."""
+    leaves that state valid; a checkpoint loaded after it must replace it, or the step updates the old state. The load
+    writes the pinned state those copies read: it declares the write, so the strict sim raises in every run if the
+    host does not wait for them first."""
     def train(steps, discard=False, roll_back_at=None):
         torch.manual_seed(0)
         model = Toy(width=64)

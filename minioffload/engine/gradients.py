@@ -7,7 +7,10 @@
     coef, norm = grads.clip_coefficient(speculations, on_device)
 
 A gradient leaves the device as soon as it is ready, in its own copy or, with `bucket_numel`, gathered into its
-bucket, which leaves in one copy once full (buckets.py); the device gradient is freed after its copy. Copied
+bucket, which leaves in one copy once full (buckets.py); the device gradient is freed after its copy. With
+`max_in_flight` (bytes; OffloadAdam sets one streamed block's gradients, what the planner counts) the host waits for
+the oldest copies whenever more device gradients than that wait for theirs: a link slower than backward would
+otherwise pile them up on the device until an allocation fails. Copied
 gradients are added into the subgroup's fp32 buffer once their copy has landed, so micro-batches accumulate on the
 host, never on the device. The coefficient is 1/scale times the clip factor from the global L2 norm, per-subgroup
 partial sums added in subgroup order; a speculative update (speculative.py) took its subgroups' partial sums and
@@ -21,6 +24,7 @@ device-updated subgroup's to device_path.py) or the update.
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import torch
 
@@ -30,9 +34,11 @@ from .packing import LossScale, Packing
 
 
 class GradientPath:
-    def __init__(self, packing: Packing, loss_scale: LossScale, delayed=None):
+    def __init__(self, packing: Packing, loss_scale: LossScale, delayed=None, max_in_flight: int | None = None):
         self.packing, self.loss_scale = packing, loss_scale
         self.delayed = delayed  # a DelayedUpdate that may still be reading the fp32 gradients, or None
+        self.max_in_flight = max_in_flight  # bytes of device gradients whose copies may be pending at once (None: any)
+        self._in_flight: deque = deque()  # (event after a gradient's copy, the gradient's bytes), oldest first
 
     def offload(self, slot: Slot) -> None:
         """backward's hook for a parameter the CPU updates: its gradient leaves the device now."""
@@ -53,6 +59,15 @@ class GradientPath:
         done = dev.event()
         done.record(self.packing.d2h)
         slot.pending.append((done, staging))
+        if self.max_in_flight is not None:
+            self._in_flight.append((done, grad.numel() * grad.element_size()))
+            self._bound_in_flight()
+
+    def _bound_in_flight(self) -> None:
+        """The host waits for the oldest gradient copies until at most `max_in_flight` bytes of device gradients wait
+        for theirs (the one just issued may exceed it alone)."""
+        while len(self._in_flight) > 1 and sum(nbytes for _, nbytes in self._in_flight) > self.max_in_flight:
+            self._in_flight.popleft()[0].synchronize()
 
     def add_pending(self, slot: Slot) -> None:
         """Add the slot's copied gradients (its bucket's, with buckets) into the subgroup's fp32 gradient."""

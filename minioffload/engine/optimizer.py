@@ -123,7 +123,9 @@ class OffloadAdam(torch.optim.Optimizer):
         self.kept_optimizer, self._kept_groups = _device_optimizer(self.param_groups, self.kept)
         self.packing = Packing(dev, *layout.pack(self.param_groups, options.subgroup_numel, set(self.kept)),
                                streamer=streamer, shard=shard)
-        self.grads = GradientPath(self.packing, self.loss_scale, self.delayed)
+        # streamed: the planner counts one block's gradients on the device (memory.streamed_bytes); copies held to it
+        in_flight = max((block.nbytes for block in streamer.blocks), default=None) if streamer is not None else None
+        self.grads = GradientPath(self.packing, self.loss_scale, self.delayed, in_flight)
         self.weights = WeightUploads(self.packing)
         self.sharded = ShardedSteps(self.packing, self.grads) if shard is not None else None
         if self.sharded is not None:  # every rank checks that all run the same settings, then takes its subgroups

@@ -131,6 +131,28 @@ def test_weights_four_times_the_device_train_from_nvme_like_a_large_device(tmp_p
         assert losses == reference
 
 
+def test_a_backward_that_outruns_the_link_holds_one_blocks_gradients():
+    """The planner counts one streamed block's gradients on the device (memory.streamed_bytes). Gradient copies far
+    slower than backward must not pile more up there: the host waits for the oldest copies instead."""
+    from minioffload.devices import Link
+
+    def gradient_peak(d2h_bytes_per_s):
+        with SimDevice(d2h=Link(d2h_bytes_per_s)) as dev:
+            model = _model(CFG.replace(n_layer=6))
+            streamer = ParamStreamer(model, dev, prefetch=1)
+            _train(dev, model, streamer, steps=1)
+            held = peak = 0
+            for event in dev.ledger.history:
+                if event.name.startswith("grad"):
+                    held += event.delta
+                    peak = max(peak, held)
+            return peak, max(block.nbytes for block in streamer.blocks)
+
+    peak, block = gradient_peak(2e5)  # a block's gradients take ~0.25 s to leave, its backward a few ms
+    assert peak <= block + max(p.numel() * 4 for p in _model().parameters()), (peak, block)
+    assert gradient_peak(2e9)[0] <= peak + block  # the bound is what a fast link gives anyway, give or take
+
+
 def test_nvme_weights_resume_bit_for_bit(tmp_path):
     batches = _batches(4)
     for name in ("a", "b", "c"):

@@ -67,7 +67,10 @@ class GradientPath:
         """The host waits for the oldest gradient copies until at most `max_in_flight` bytes of device gradients wait
         for theirs (the one just issued may exceed it alone)."""
         while len(self._in_flight) > 1 and sum(nbytes for _, nbytes in self._in_flight) > self.max_in_flight:
-            self._in_flight.popleft()[0].synchronize()
+            oldest, _ = self._in_flight[0]
+            if not oldest.query():  # landed already: nothing to wait for
+                oldest.synchronize()
+            self._in_flight.popleft()
 
     def add_pending(self, slot: Slot) -> None:
         """Add the slot's copied gradients (its bucket's, with buckets) into the subgroup's fp32 gradient."""

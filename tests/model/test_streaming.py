@@ -284,7 +284,10 @@ def test_nvme_bounce_buffers_follow_the_budget_and_the_hooks_never_wait_for_a_co
             # a host wait for work not known to be done (query() not asked first, or said no). On the sim the copy has
             # landed anyway, since compute's own wait blocks the host here (compute runs on it), so it is the call
             # that is counted: on a GPU the same call would stop the host until the copy lands
-            if not asked.pop(id(event), False):
+            # (the gradient path's bound on device gradients in flight, engine/gradients.py, is another wait: for
+            # device memory, on a gradient's copy down, not on a fetch)
+            gradient_copy = any(event is pending for pending, _ in opt.grads._in_flight)
+            if not asked.pop(id(event), False) and not gradient_copy:
                 waits.append(event)
             return real(event, *args, **kwargs)
 

@@ -12,6 +12,9 @@ VENDOR_STAMP := book/_vendor/.installed
 export NUMBA_CACHE_DIR := $(CURDIR)/.cache/numba
 export JUPYTER_PLATFORM_DIRS := 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
+# matplotlib's font cache inside the checkout: one in ~/.cache lists the font files of whichever checkout's .venv
+# built it, and goes stale when that .venv is removed (findfont warnings on stderr, which nbval counts as output)
+export MPLCONFIGDIR := $(CURDIR)/.cache/matplotlib
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
 # Tests and notebooks run on two workers (pytest-xdist), a file or notebook per worker at a time: every timing
@@ -35,6 +38,7 @@ $(VENV_STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet -e ".[course,book,dev]"
+	$(BIN)/python -c "import matplotlib.font_manager"  # its font cache, built once before the test workers start
 	touch $@
 
 # The static book serves require.js, the widget manager, MathJax and Vega itself (no CDN at read time).

@@ -8,8 +8,9 @@ Headline (bench/results/distributed.json), median of 3 runs with their spread:
     per_rank_link_bytes_ratio   bytes over each rank's own link per step, 2 ranks / 1 rank      (target <= 0.55)
     update_phase_ratio          each rank's CPU update time per step, 2 ranks / 1 rank (half the state each)
     step_model_error            |predicted - measured| / measured for the 2-rank step           (target <= 0.2)
-The step model gets this machine's profile (profiles.probe: the sim's link, the host's Adam rate, gloo's
-loopback as the interconnect) and the FLOP/s forward and backward reached in the 1-rank run of the same round.
+The step model gets this machine's profile (profiles.probe: the sim's link, the host's Adam rate, its per-call
+costs), gloo's fixed cost per collective and bandwidth measured in the same round (gloo.py), and the FLOP/s forward
+and backward reached in the 1-rank run of the same round.
 
     python bench/distributed.py [--quick] [--runs N]
 """
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import gloo  # noqa: E402
 from common import stats, write  # noqa: E402
 
 from minioffload.machine import profiles
@@ -50,13 +52,15 @@ def run_ranks(ranks: int, steps: int, out_dir: Path) -> dict:
     return json.loads((out_dir / "summary.json").read_text())
 
 
-def predict(one: dict, ranks: int) -> float:
-    """The step model's step for `ranks` ranks, with the FLOP/s the 1-rank run's forward and backward reached."""
+def predict(one: dict, ranks: int, net: dict) -> float:
+    """The step model's step for `ranks` ranks, with the FLOP/s the 1-rank run's forward and backward reached and
+    gloo's figures `net` (gloo.measure)."""
     tok = CharTokenizer(load_text())
     model = GPT(GPTConfig.preset(PRESET, tok.vocab_size, block_size=BLOCK))
     work = stepmodel.Workload.of(model, tokens=BATCH * BLOCK, precision="fp32")
     flops = 6 * work.num_params * work.tokens / one["per_rank"][0]["compute_s"]
-    hw = profiles.probe().replace(peak_flops_fp32=flops)
+    hw = profiles.probe(interconnect=net["interconnect_bytes_per_s"]).replace(
+        peak_flops_fp32=flops, collective_latency=net["collective_latency_s"])
     config = stepmodel.StepConfig(subgroup_numel=SUBGROUP, max_grad_norm=1.0, mfu=1.0, ranks=ranks)
     return stepmodel.predict(work, hw, config).step_s
 
@@ -65,12 +69,13 @@ def one_round(steps: int) -> dict:
     with tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parents[1] / ".cache") as scratch:
         one = run_ranks(1, steps, Path(scratch) / "one")
         two = run_ranks(2, steps, Path(scratch) / "two")
+    net = gloo.measure()
     link_1 = one["per_rank"][0]["link_bytes_per_step"]
     links_2 = [rank["link_bytes_per_step"] for rank in two["per_rank"]]
     update_1 = one["per_rank"][0]["cpu_update_s"]
     updates_2 = [rank["cpu_update_s"] for rank in two["per_rank"]]
     measured_2 = max(rank["step_median_s"] for rank in two["per_rank"])
-    predicted_2, predicted_1 = predict(one, 2), predict(one, 1)
+    predicted_2, predicted_1 = predict(one, 2, net), predict(one, 1, net)
     return {"link_bytes_1": link_1, "link_bytes_2": links_2,
             "per_rank_link_bytes_ratio": max(links_2) / link_1,
             "update_s_1": update_1, "update_s_2": updates_2, "update_phase_ratio": max(updates_2) / update_1,
@@ -82,7 +87,13 @@ def one_round(steps: int) -> dict:
             "interconnect_bytes_2": [rank["net_bytes_per_step"] for rank in two["per_rank"]],
             "optimizer_host_bytes_1": one["per_rank"][0]["optimizer_host_bytes"],
             "optimizer_host_bytes_2": [rank["optimizer_host_bytes"] for rank in two["per_rank"]],
-            "num_params": one["num_params"]}
+            "num_params": one["num_params"], **{f"gloo_{key}": value for key, value in net.items()},
+            "phases_1": _phases(one), "phases_2": _phases(two)}
+
+
+def _phases(summary: dict) -> dict:
+    """Rank 0's phase times per step (seconds), for reading where a prediction misses."""
+    return {key: value for key, value in summary.items() if key.endswith("_s") and isinstance(value, (int, float))}
 
 
 def main() -> int:

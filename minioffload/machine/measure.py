@@ -181,7 +181,33 @@ def disk_bandwidth(directory, nbytes: int = 64 * MiB, keys: int = 12) -> dict:
                 future.result()
         read = time.perf_counter()
     total = per_key * keys
-    return {"read": total / (read - written), "write": total / (written - start)}
+    return {"read": total / (read - written), "write": total / (written - start), "bytes_per_file": per_key}
+
+
+def file_costs(directory, files: int = 8) -> dict:
+    """{"read", "write"}: seconds one file operation through the Swapper costs beyond its bytes, the median over `files`
+    4 KiB files taken one at a time. A write's is its durable commit (the data's fsync, the index written, fsynced and
+    renamed over, the directory fsynced); a read's its open, checksum and bookkeeping. Every subgroup's state and
+    every streamed block read from or written to the drive pays it once, so small pieces cost more than their bytes."""
+    from ..nvme.swapper import Swapper
+    from ..pinned import aligned_empty
+
+    if files < 1:
+        raise ValueError(f"files must be >= 1, got {files}")
+    data = aligned_empty(4096, pin=False)
+    data.copy_(torch.randint(0, 256, (4096,), dtype=torch.uint8))
+    writes, reads = [], []
+    with Swapper(directory) as swap:
+        swap.write("warm-up", data).result()
+        for i in range(files):
+            start = time.perf_counter()
+            swap.write(f"f{i}", data).result()
+            writes.append(time.perf_counter() - start)
+        for i in range(files):
+            start = time.perf_counter()
+            swap.read(f"f{i}", into=data).result()
+            reads.append(time.perf_counter() - start)
+    return {"read": statistics.median(reads), "write": statistics.median(writes)}
 
 
 def copy_costs(dev, copies: int = 200, numel: int = 1024, tries: int = 3) -> dict:
@@ -214,3 +240,67 @@ def copy_costs(dev, copies: int = 200, numel: int = 1024, tries: int = 3) -> dic
         latency = min(latency, max(0.0, (done - start) / copies - 4 * numel / bandwidth))
         del sources
     return {"issue": issue, "latency": latency}
+
+
+
+def _chain(blocks: int, width: int) -> torch.nn.Sequential:
+    """`blocks` blocks of one Linear and a tanh: each block's forward a matmul; it saves two tensors for backward."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+                                 for _ in range(blocks)])
+
+
+def _one_pass(dev, model, x: torch.Tensor) -> None:
+    model(x).sum().backward()
+    dev.synchronize()
+
+
+def _pass_seconds(dev, model, x: torch.Tensor, repeats: int) -> float:
+    """The fastest of `repeats` forward + backward passes of `model` on `x` (after a warm-up)."""
+    return _fastest_seconds(lambda: _one_pass(dev, model, x), repeats)
+
+
+def fetch_cost(dev, blocks: int = 12, width: int = 256, batch: int = 512, repeats: int = 5) -> float:
+    """Seconds one streamed block's fetch and release add to a step on `dev`, beyond its bytes: a chain of `blocks`
+    small blocks with its weights streamed from pinned host memory (ParamStreamer, prefetch 1) against the same chain
+    resident, over the fetches a pass makes. Each block computes long enough to hide its copy; give `dev` a fast link,
+    so that what is left is each fetch's hooks, allocation, copy issue, wait and free."""
+    from ..model.streaming import ParamStreamer
+
+    x = dev.adopt(torch.randn(batch, width), "probe input")
+    resident = dev.place(_chain(blocks, width))
+    plain = _pass_seconds(dev, resident, x, repeats)
+    model = _chain(blocks, width)
+    streamer = ParamStreamer(model, dev, prefetch=1, blocks=list(model))
+    try:
+        _one_pass(dev, model, x)  # the first pass records the order of uses
+        before = streamer.fetches
+        _one_pass(dev, model, x)
+        fetches = streamer.fetches - before
+        streamed = _pass_seconds(dev, model, x, repeats)
+    finally:
+        streamer.remove()
+    return max(streamed - plain, 1e-7) / max(fetches, 1)
+
+
+def pack_cost(dev, blocks: int = 12, width: int = 256, batch: int = 512, repeats: int = 5) -> float:
+    """Seconds one saved tensor's offload and return add to a step on `dev`, beyond its bytes: a chain of `blocks`
+    small blocks under the 'offload' policy (Activations) against the same chain keeping its saves, over the tensors a
+    pass packs. Give `dev` a fast link: what is left is each tensor's hooks, pooled buffer, two copy issues, waits."""
+    from ..model.activations import Activations
+
+    x = dev.adopt(torch.randn(batch, width), "probe input")
+    model = dev.place(_chain(blocks, width))
+    plain = _pass_seconds(dev, model, x, repeats)
+    acts = Activations(list(model), "offload", dev)
+    try:
+        model(x).sum().backward()  # count the tensors one forward packs: they wait for backward until it runs
+        packed = 0
+        loss = model(x).sum()
+        packed = sum(len(refs) for refs in acts._waiting.values())
+        loss.backward()
+        dev.synchronize()
+        offloaded = _pass_seconds(dev, model, x, repeats)
+    finally:
+        acts.remove()
+    return max(offloaded - plain, 1e-7) / max(packed, 1)

@@ -41,8 +41,10 @@ from ..units import GB, GiB
 FIGURES = {
     "device_memory": "B", "device_bandwidth": "B/s", "peak_flops_bf16": "FLOP/s", "peak_flops_fp32": "FLOP/s",
     "device_adam_rate": "params/s", "link_theoretical": "B/s", "link_h2d": "B/s", "link_d2h": "B/s",
-    "link_latency": "s", "copy_overhead": "s", "host_memory": "B", "host_bandwidth": "B/s", "cpu_adam_rate": "params/s",
-    "nvme_read": "B/s", "nvme_write": "B/s", "cores": "", "interconnect": "B/s", "gpus_per_node": "",
+    "link_latency": "s", "copy_overhead": "s", "fetch_overhead": "s", "pack_overhead": "s", "host_memory": "B",
+    "host_bandwidth": "B/s", "cpu_adam_rate": "params/s",
+    "nvme_read": "B/s", "nvme_write": "B/s", "nvme_read_overhead": "s", "nvme_write_overhead": "s", "cores": "",
+    "interconnect": "B/s", "collective_latency": "s", "gpus_per_node": "",
 }
 
 ADAM_BYTES_PER_PARAM = 28  # fp32 AdamW: reads param, grad, exp_avg, exp_avg_sq; writes param, exp_avg, exp_avg_sq
@@ -64,13 +66,18 @@ class Hardware:
     link_d2h: float  # B/s, achieved pinned device->host
     link_latency: float  # s, the fixed cost of one copy on the link
     copy_overhead: float  # s, host time to issue one copy (the launch: a driver call, or the sim's queueing)
+    fetch_overhead: float  # s, host time per streamed block fetched and released, beyond its copy (chapter 8's hooks)
+    pack_overhead: float  # s, host time per saved tensor offloaded and brought back (chapter 7's hooks and copies)
     host_memory: float  # B
     host_bandwidth: float  # B/s, achieved with Adam's access pattern (4 reads, 3 writes), all cores
     cpu_adam_rate: float  # params/s, a fused fp32 CPU AdamW on all cores
     nvme_read: float  # B/s
     nvme_write: float  # B/s
+    nvme_read_overhead: float  # s per file read beyond its bytes (open, bookkeeping)
+    nvme_write_overhead: float  # s per file write beyond its bytes (the durable commit: fsyncs, the index renamed)
     cores: int
     interconnect: float  # B/s per GPU: the bus bandwidth a ring collective achieves between GPUs (NCCL's busbw)
+    collective_latency: float  # s, the fixed cost of one collective, whatever its size
     gpus_per_node: int  # GPUs that share the host and reach each other at `interconnect`
     shared_host: bool = False  # the "device" computes on the host's cores and DRAM (the simulated device)
     sources: dict = field(default_factory=dict, compare=False)  # figure -> where it comes from
@@ -133,6 +140,18 @@ _SRC = {
     "c2c_achieved": "estimate: ~85% of NVLink-C2C's 450 GB/s per direction",
     "latency": "estimate: ~10 us per copy (launch and DMA set-up), typical of cudaMemcpyAsync",
     "launch": "estimate: ~5 us of host time to issue one cudaMemcpyAsync",
+    "fetch": "estimate: ~50 us of host time per streamed block fetched and released (two module hooks, an allocation, "
+             "a copy issue per home piece, an event, a free: a few dozen Python calls and one launch on a server "
+             "core); profiles.probe() measures this machine's",
+    "pack": "estimate: ~15 us of host time per saved tensor offloaded and brought back (a saved-tensors hook each way, "
+            "a pooled pinned buffer, a copy issue each way); profiles.probe() measures this machine's",
+    "collective": "estimate: ~25 us per collective whatever its size, NCCL's fixed cost (nccl-tests' time for an "
+                  "all-reduce of a few bytes is tens of microseconds, within a node and across InfiniBand)",
+    "file_read": "estimate: ~20 us per file read beyond its bytes (an open and a few system calls)",
+    "commit_plp": "estimate: ~0.1 ms per durable write beyond its bytes (its fsyncs and the index renamed over): a "
+                  "data-centre drive with power-loss protection acknowledges a flush in tens of microseconds",
+    "commit_consumer": "estimate: ~2 ms per durable write beyond its bytes: a consumer drive without power-loss "
+                       "protection writes its cache to flash on each fsync",
     "device_adam": "estimate: a fused fp32 AdamW moves 28 B/param; 80% of device_bandwidth / 28",
     "cpu_adam": "estimate: a fused CPU AdamW at 80% of host_bandwidth / 28 (chapter 3 reaches 0.8-0.95 of the "
                 "roofline on our machine)",
@@ -207,11 +226,14 @@ def _share(value: float, gpus_per_socket: float) -> float:
 
 def _preset(name: str, description: str, *, device_memory, device_bandwidth, bf16, fp32, link_theoretical,
             link_achieved, host_memory, host_bandwidth, nvme_read, nvme_write, cores, interconnect, gpus_per_node,
-            src: dict) -> Hardware:
+            src: dict, nvme_write_overhead: float = 1e-4) -> Hardware:
     """A preset from its figures; the derived ones (device and CPU Adam rates) computed and cited here."""
     sources = {figure: _SRC[key] for figure, key in src.items()}
     sources.setdefault("link_latency", _SRC["latency"])
     sources.setdefault("copy_overhead", _SRC["launch"])
+    for figure, key in (("fetch_overhead", "fetch"), ("pack_overhead", "pack"), ("collective_latency", "collective"),
+                        ("nvme_read_overhead", "file_read"), ("nvme_write_overhead", "commit_plp")):
+        sources.setdefault(figure, _SRC[key])
     sources.setdefault("device_adam_rate", _SRC["device_adam"])
     sources.setdefault("cpu_adam_rate", _SRC["cpu_adam"])
     sources.setdefault("link_d2h", sources["link_h2d"])
@@ -220,11 +242,12 @@ def _preset(name: str, description: str, *, device_memory, device_bandwidth, bf1
         peak_flops_bf16=bf16, peak_flops_fp32=fp32,
         device_adam_rate=0.8 * device_bandwidth / ADAM_BYTES_PER_PARAM,
         link_theoretical=link_theoretical, link_h2d=link_achieved, link_d2h=link_achieved, link_latency=10e-6,
-        copy_overhead=5e-6,
+        copy_overhead=5e-6, fetch_overhead=50e-6, pack_overhead=15e-6,
         host_memory=host_memory, host_bandwidth=host_bandwidth,
         cpu_adam_rate=0.8 * host_bandwidth / ADAM_BYTES_PER_PARAM,
-        nvme_read=nvme_read, nvme_write=nvme_write, cores=cores, interconnect=interconnect,
-        gpus_per_node=gpus_per_node, sources=sources)
+        nvme_read=nvme_read, nvme_write=nvme_write, nvme_read_overhead=20e-6, nvme_write_overhead=nvme_write_overhead,
+        cores=cores, interconnect=interconnect, collective_latency=25e-6, gpus_per_node=gpus_per_node,
+        sources=sources)
 
 
 def _presets() -> dict[str, Hardware]:
@@ -265,8 +288,9 @@ def _presets() -> dict[str, Hardware]:
                 device_memory=24 * GB, device_bandwidth=1008 * GB, bf16=165.2e12, fp32=82.6e12,
                 link_theoretical=31.5 * GB, link_achieved=25 * GB, host_memory=128 * GiB,
                 host_bandwidth=0.7 * 89.6 * GB, nvme_read=7.45 * GB, nvme_write=6.9 * GB, cores=16,
-                interconnect=12.5 * GB, gpus_per_node=1,
-                src={**dict.fromkeys(gpu, "rtx4090"), "link_theoretical": "pcie4", "link_h2d": "pcie4_achieved",
+                interconnect=12.5 * GB, gpus_per_node=1, nvme_write_overhead=2e-3,
+                src={**dict.fromkeys(gpu, "rtx4090"), "nvme_write_overhead": "commit_consumer",
+                     "link_theoretical": "pcie4", "link_h2d": "pcie4_achieved",
                      "host_memory": "workstation", "host_bandwidth": "ryzen_7950x", "cores": "ryzen_7950x",
                      "nvme_read": "nvme_990pro", "nvme_write": "nvme_990pro", "interconnect": "staged_4090",
                      "gpus_per_node": "gpus_one"}),
@@ -274,8 +298,9 @@ def _presets() -> dict[str, Hardware]:
                 device_memory=8 * GB, device_bandwidth=256 * GB, bf16=165.2e12 * 24 * 2.0 / (128 * 2.52),
                 fp32=82.6e12 * 24 * 2.0 / (128 * 2.52), link_theoretical=15.75 * GB, link_achieved=12.5 * GB,
                 host_memory=32 * GiB, host_bandwidth=0.65 * 83.2 * GB, nvme_read=5 * GB, nvme_write=4 * GB, cores=8,
-                interconnect=6.25 * GB, gpus_per_node=1,
-                src={**dict.fromkeys(gpu, "rtx4060l"), "link_theoretical": "pcie4x8", "link_h2d": "pcie4x8_achieved",
+                interconnect=6.25 * GB, gpus_per_node=1, nvme_write_overhead=2e-3,
+                src={**dict.fromkeys(gpu, "rtx4060l"), "nvme_write_overhead": "commit_consumer",
+                     "link_theoretical": "pcie4x8", "link_h2d": "pcie4x8_achieved",
                      "host_memory": "laptop", "host_bandwidth": "laptop_host", "cores": "laptop",
                      "nvme_read": "nvme_laptop", "nvme_write": "nvme_laptop", "interconnect": "staged_laptop",
                      "gpus_per_node": "gpus_one"}),
@@ -347,12 +372,18 @@ def preset(name: str) -> Hardware:
 # ---------------------------------------------------------------------------------------------------
 # This machine
 
-GLOO_LOOPBACK = 2.3 * GB  # B/s: torch.distributed gloo between 2 processes on one machine (source below)
+GLOO_LOOPBACK = 1.28 * GB  # B/s: bytes one rank sends (shards.ring_bytes) per second, gloo, 2 processes, one machine
 GLOO_LOOPBACK_SOURCE = (
-    "estimate: gloo broadcast of 16 MiB fp32 between 2 processes on one machine (torchrun --nproc_per_node=2, "
-    "loopback TCP), median of 5 after 2 warm-ups, on the course's 2-core build VM with torch 2.13 CPU: 2.1-2.7 GB/s "
-    "over 3 runs (an all-reduce's busbw there: ~1.0 GB/s); taken as 2.3 GB/s. Pass interconnect= to probe() with "
-    "your own measurement")
+    "measured: bench/gloo.py on the course's 2-core build VM (torch 2.13 CPU, 2 processes, loopback TCP), 2026-12-03: "
+    "a 16 MiB fp32 broadcast, the bytes a rank sends by the step model's count (shards.ring_bytes: half the buffer "
+    "with 2 ranks) over its time less the fixed cost; median of 3 runs 1.28 GB/s [1.01, 1.35]. Pass interconnect= to "
+    "probe() with your own measurement")
+
+
+GLOO_LATENCY = 250e-6  # s per collective: gloo between 2 processes on one machine (source below)
+GLOO_LATENCY_SOURCE = (
+    "measured: bench/gloo.py on the course's 2-core build VM, 2026-12-03: an all-reduce of one fp32 value between 2 "
+    "processes, median of 3 runs 251 us [240, 281]")
 
 
 @functools.lru_cache(maxsize=8)
@@ -360,7 +391,9 @@ def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quic
           interconnect: float | None = None) -> Hardware:
     """This machine as a profile: the simulated device (its link model, its memory, its modelled device
     Adam) on the host's measured figures: Adam-pattern memory bandwidth, a fused CPU Adam's rate, matmul
-    FLOP/s, and the drive under `nvme_dir` (a temporary directory when None). Cached per arguments: the
+    FLOP/s, the drive under `nvme_dir` (a temporary directory when None) with its cost per file, and what each
+    runtime call costs on the sim beyond its bytes (a copy's issue and latency, a streamed block's fetch, a saved
+    tensor's offload). Cached per arguments: the
     chapters share one measurement per kernel. `link_bandwidth` defaults to the sim device's default link.
     `interconnect`: B/s between ranks, measured by the caller (gloo between processes on this machine); by default
     GLOO_LOOPBACK, measured once as its source says. The ranks share this host (`gpus_per_node` 1: a sim device per
@@ -388,8 +421,12 @@ def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quic
     flops_bf16 = hardware.matmul_flops(dtype=torch.bfloat16)
     with tempfile.TemporaryDirectory(dir=nvme_dir) as scratch:
         disk = hardware.disk_bandwidth(scratch, (64 if quick else 256) << 20)
+    with tempfile.TemporaryDirectory(dir=nvme_dir) as scratch:
+        per_file = hardware.file_costs(scratch)
     with SimDevice(h2d=Link(link), d2h=Link(link)) as dev:
         per_copy = hardware.copy_costs(dev)
+    with SimDevice(h2d=Link(1e12), d2h=Link(1e12), strict=False) as dev:  # bytes free: each call's cost is left
+        per_fetch, per_pack = hardware.fetch_cost(dev), hardware.pack_cost(dev)
     defaults = inspect.signature(SimDevice).parameters
     memory_bytes, adam_rate = defaults["memory_bytes"].default, defaults["adam_rate"].default
     measured = f"measured on this machine by profiles.probe() ({os.cpu_count()} cores, torch {torch.__version__})"
@@ -401,6 +438,16 @@ def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quic
                     "link_latency": "measured: the sim's per-copy time beyond bytes / bandwidth (its 10 us model plus "
                                     "its stream thread's wake-up), by profiles.probe()",
                     "copy_overhead": "measured: host time to issue one copy to the sim, by profiles.probe()",
+                    "fetch_overhead": "measured: what a streamed block's fetch and release add to forward and backward "
+                                      "on the sim, bytes aside (measure.fetch_cost), by profiles.probe()",
+                    "pack_overhead": "measured: what a saved tensor's offload and return add to forward and backward "
+                                     "on the sim, bytes aside (measure.pack_cost), by profiles.probe()",
+                    "nvme_read": "measured: the Swapper's read rate less each file's fixed cost, by profiles.probe()",
+                    "nvme_write": "measured: the Swapper's write rate less each file's commit, by profiles.probe()",
+                    "nvme_read_overhead": "measured: a 4 KiB file read through the Swapper (measure.file_costs)",
+                    "nvme_write_overhead": "measured: a 4 KiB file's durable write through the Swapper (its commit: "
+                                           "fsyncs, the index renamed over; measure.file_costs)",
+                    "collective_latency": GLOO_LATENCY_SOURCE,
                     "link_h2d": "the simulated device's Link model" if link_bandwidth is None else "set by the caller",
                     "link_theoretical": "the simulated device's Link model (no slot: theoretical = modelled)",
                     "device_bandwidth": "the host's (the sim device computes in host memory): " + measured,
@@ -415,6 +462,17 @@ def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quic
         device_adam_rate=min(adam_rate, one_thread_adam), link_theoretical=link, link_h2d=link, link_d2h=link,
         link_latency=per_copy["latency"], copy_overhead=per_copy["issue"],
         host_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        host_bandwidth=host_bw, cpu_adam_rate=cpu_adam, nvme_read=disk["read"], nvme_write=disk["write"],
-        cores=os.cpu_count() or 1, interconnect=interconnect or GLOO_LOOPBACK, gpus_per_node=1, shared_host=True,
-        sources=sources)
+        fetch_overhead=per_fetch, pack_overhead=per_pack,
+        host_bandwidth=host_bw, cpu_adam_rate=cpu_adam, nvme_read=_net(disk["read"], disk["bytes_per_file"],
+                                                                        per_file["read"]),
+        nvme_write=_net(disk["write"], disk["bytes_per_file"], per_file["write"]),
+        nvme_read_overhead=per_file["read"], nvme_write_overhead=per_file["write"],
+        cores=os.cpu_count() or 1, interconnect=interconnect or GLOO_LOOPBACK, collective_latency=GLOO_LATENCY,
+        gpus_per_node=1, shared_host=True, sources=sources)
+
+
+def _net(rate: float, nbytes: int, per_file: float) -> float:
+    """A drive's rate without its per-file cost: `rate` was measured over files of `nbytes`, each paying `per_file`
+    seconds besides its bytes (the step model charges the two apart). At least the measured rate: a per-file cost
+    measured larger than a whole file's time (a burst of other work) takes nothing away."""
+    return max(rate, nbytes / max(nbytes / rate - per_file, 0.5 * nbytes / rate))

@@ -13,7 +13,9 @@ One block's forward takes F = flops / (mfu x peak) and its backward 2F. Per poli
                    attention there are no scores to drop: it holds what keep holds and only adds time)
     offload        holds nothing between forward and backward; its bytes go down during the next block's
                    forward and come back during the previous block's backward: + max(0, bytes / link - F) down
-                   and + max(0, bytes / link - 2F) up
+                   and + max(0, bytes / link - 2F) up, each of its n saved tensors one copy (n x latency more
+                   on the link), and n x pack_overhead of host time that nothing hides (the hooks and copy issues
+                   run on the thread that runs the block)
     offload_input  recompute, with the input offloaded as well: + F and the input's copies, hidden the same way
 
 What this is not: the runtime (model/activations.py), nor a schedule of the whole step (stepmodel.py); it prices one
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 
 from ..machine.profiles import Hardware
 from .memory import activation_bytes_per_layer
+
+MIN_NUMEL = 1024  # model.activations.Activations' default: smaller saved tensors stay on the device
 
 POLICIES = ("keep", "recompute", "selective", "offload", "offload_input")
 
@@ -71,6 +75,16 @@ class BlockShape:
     def input_bytes(self) -> int:
         return self.tokens * self.hidden * self.value_bytes
 
+    def saved_tensors(self, min_numel: int = MIN_NUMEL) -> int:
+        """How many tensors the block's forward saves that offload moves (those of at least `min_numel` values,
+        weights aside), as the course GPT block saves them: eleven activations (nine of s b h values, two of 4 s b h),
+        the two LayerNorms' means and inverse deviations (s b values each), and the attention's log-sum-exp (a s b)
+        when fused, or Korthikanti et al.'s three tensors of scores (a s^2 b) when not."""
+        small = 4 * (self.tokens >= min_numel)
+        if self.fused_attention:
+            return 11 + small + (self.heads * self.tokens >= min_numel)
+        return 11 + small + 3 * (self.heads * self.seq_len * self.tokens >= min_numel)
+
     def forward_flops(self) -> float:
         """The block's matmuls (12 h^2 weights: 2 FLOPs each per token) and the attention core (q k^T and its product
         with v: 4 s h per token)."""
@@ -105,16 +119,17 @@ def policy_costs(block: BlockShape, hw: Hardware, mfu: float = 0.4) -> dict[str,
     rate = mfu * hw.peak_flops("fp32" if block.value_bytes == 4 else "bf16")
     forward = block.forward_flops() / rate
     saved, scores, x = block.saved_bytes(), block.score_bytes(), block.input_bytes()
-    down = _exposed(saved, hw.link_d2h, hw.link_latency, forward)
-    up = _exposed(saved, hw.link_h2d, hw.link_latency, 2 * forward)
+    tensors = block.saved_tensors()
+    down = _exposed(saved, hw.link_d2h, tensors * hw.link_latency, forward)
+    up = _exposed(saved, hw.link_h2d, tensors * hw.link_latency, 2 * forward)
     x_down = _exposed(x, hw.link_d2h, hw.link_latency, forward)
     x_up = _exposed(x, hw.link_h2d, hw.link_latency, 2 * forward)
     return {
         "keep": PolicyCost("keep", saved, 0, 0.0),
         "recompute": PolicyCost("recompute", x, 0, forward),
         "selective": PolicyCost("selective", saved - scores, 0, block.core_flops() / rate),
-        "offload": PolicyCost("offload", 0, saved, down + up),
-        "offload_input": PolicyCost("offload_input", 0, x, forward + x_down + x_up),
+        "offload": PolicyCost("offload", 0, saved, down + up + tensors * hw.pack_overhead),
+        "offload_input": PolicyCost("offload_input", 0, x, forward + x_down + x_up + hw.pack_overhead),
     }
 
 

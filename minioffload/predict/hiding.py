@@ -10,7 +10,8 @@ one knob at which the work to hide takes exactly as long as the compute it runs 
                          and backward, 6 N T / (peak x mfu):
                              tokens >= (1 / cpu_adam_rate + pass bytes / host_bandwidth) x peak x mfu / 6
     activation offload   a block's saved bytes under the next block's forward (activation_cost.offload_hidden_link):
-                             link >= saved bytes / forward
+                             link >= saved bytes / forward (the hooks' host time, saved tensors x pack_overhead,
+                             runs on the block's own thread: no link hides it)
     NVMe state           the update reads and writes Adam's 12 bytes per parameter (STATE_BYTES_PER_PARAM) on one
                          drive while the CPU updates: the drive keeps up when 12 / nvme_read + 12 / nvme_write <=
                          1 / cpu_adam_rate, i.e. its combined rate 2 / (1 / read + 1 / write) >= 24 x cpu_adam_rate

@@ -12,7 +12,9 @@ free. Durations, per operation:
 
     forward  2 N T / (peak x mfu)          backward  4 N T / (peak x mfu)  (+ 2 N T for a recomputed forward)
     a copy   latency + bytes / link        CPU Adam  n / cpu_adam_rate   other host passes  bytes / host_bandwidth
-    disk     bytes / nvme_read or write    device Adam  n / device_adam_rate
+    disk     per-file cost + bytes / nvme_read or write (one file per subgroup's state, per streamed block)
+    a collective  collective_latency + bytes sent / interconnect      device Adam  n / device_adam_rate
+    host time on the compute thread: copy_overhead per copy a hook issues, fetch_overhead per streamed block fetched
 
 Which resources are one: each lane is its own resource, except that reads and writes share one drive, and
 on a `shared_host` profile (the simulated device) the device's compute and the CPU's work run on the same
@@ -112,9 +114,9 @@ class _Builder:
 
     def collective(self, kind: str, nbytes: float, name: str, deps) -> int:
         """A ring collective of `nbytes` on the interconnect, in issue order on one communicator ("net"): a fixed cost
-        (the link's latency) and the bytes each rank sends (shards.ring_bytes) over `interconnect`."""
+        (`collective_latency`) and the bytes each rank sends (shards.ring_bytes) over `interconnect`."""
         sent = ring_bytes(kind, nbytes, self.ranks)
-        return self.plan.add("net", name, self.hw.link_latency + sent / self.hw.interconnect, deps, sent, "net")
+        return self.plan.add("net", name, self.hw.collective_latency + sent / self.hw.interconnect, deps, sent, "net")
 
     def grad_copies(self, params: float, tensors: int) -> list[tuple[float, int, float]]:
         """(params, copies, gathered params) of the pieces in which `tensors` equal gradients of `params` leave the
@@ -204,12 +206,14 @@ class _Builder:
                     deps.append(last)
                 # NVMe into a pinned bounce buffer, then over the link
                 if self.config.placement.params_on == "nvme":
-                    deps = [plan.add("nvme_read", f"read block {i}", block * mb / hw.nvme_read, deps, block * mb,
-                                     stream="param read", host_bytes=block * mb)]
+                    deps = [plan.add("nvme_read", f"read block {i}", hw.nvme_read_overhead + block * mb / hw.nvme_read,
+                                     deps, block * mb, stream="param read", host_bytes=block * mb)]
                 fetch = self.copy("h2d", block * mb, block_tensors, f"fetch block {i}", deps, "param h2d")
             seconds = self.forward_s * block / work.num_params
             if backward:  # the host issues each gradient copy from its hook
                 seconds = self.backward_s * block / work.num_params + self.hooks(block_copies, block_gathered)
+            if fetch is not None:  # the streamer's hooks fetch it (and release the one before) on the same thread
+                seconds += hw.fetch_overhead
             last = plan.add("compute", f"{'backward' if backward else 'forward'} block {i}", seconds, [last, fetch],
                             stream="compute")
             computes.append(last)
@@ -275,13 +279,13 @@ class _Builder:
 
     def clip(self, own: dict[int, list[int]], ready: dict[int, int]) -> None:
         """The global norm's passes on each rank's own subgroups; with ranks > 1 the partial norms are all-reduced
-        (a few bytes: the link's latency) between the norm's read and the scaling."""
+        (a few bytes: the collective's fixed cost) between the norm's read and the scaling."""
         params = {rank: sum(self.groups[i][0] for i in mine) for rank, mine in own.items()}
         if self.ranks == 1:
             ready[0] = self.host("clip", CLIP_BYTES, params[0], [ready[0]])
             return
         norms = [self.host("clip norm", 4, params[rank], [ready[rank]], rank=rank) for rank in own]
-        total = self.plan.add("net", "all-reduce norm", self.hw.link_latency, norms, stream="net")
+        total = self.plan.add("net", "all-reduce norm", self.hw.collective_latency, norms, stream="net")
         for rank in own:
             ready[rank] = self.host("clip scale", CLIP_BYTES - 4, params[rank], [total], rank=rank)
 
@@ -312,10 +316,12 @@ class _Builder:
                                  issue=0 if config.options.delayed or config.placement.streamed else 1, rank=rank)
             if config.placement.optimizer_on == "nvme":
                 state = params * STATE_BYTES_PER_PARAM
-                writes.append(plan.add(_on("nvme_write", rank), "nvme write", state / hw.nvme_write, [last_cpu],
-                                       state, stream=_on("nvme_write", rank), host_bytes=state))
+                writes.append(plan.add(_on("nvme_write", rank), "nvme write",
+                                       hw.nvme_write_overhead + state / hw.nvme_write, [last_cpu], state,
+                                       stream=_on("nvme_write", rank), host_bytes=state))
             if config.placement.params_on == "nvme":  # the rounded weights go home to NVMe, not up the link
-                uploads.append(plan.add("nvme_write", "nvme write weights", params * mb / hw.nvme_write, [last_cpu],
+                uploads.append(plan.add("nvme_write", "nvme write weights",
+                                        hw.nvme_write_overhead + params * mb / hw.nvme_write, [last_cpu],
                                         params * mb, stream="param write", host_bytes=params * mb))
             elif config.placement.params_on == "host":
                 uploads.append(last_cpu)  # rounded into the host home: the next fetch reads it there
@@ -325,8 +331,9 @@ class _Builder:
 
     def nvme_read(self, params: int, deps, rank: int = 0) -> int:
         state = params * STATE_BYTES_PER_PARAM
-        return self.plan.add(_on("nvme_read", rank), "nvme read", state / self.hw.nvme_read, deps, state,
-                             stream=_on("nvme_read", rank), host_bytes=state)
+        seconds = self.hw.nvme_read_overhead + state / self.hw.nvme_read
+        return self.plan.add(_on("nvme_read", rank), "nvme read", seconds, deps, state, stream=_on("nvme_read", rank),
+                             host_bytes=state)
 
     def nvme_reads(self, mine: list[int], ready: int, rank: int) -> dict[int, int]:
         """The first subgroup's state is read when the update starts (the NVMe tier reads one ahead)."""

@@ -1,6 +1,7 @@
 """The model of activation policies: its byte counts are chapter 1's formula, its times follow FLOPs and the link."""
 
 import pytest
+import torch
 
 from minioffload.machine import profiles
 from minioffload.predict import activation_cost as ac
@@ -43,13 +44,46 @@ def test_times_follow_the_flops_and_the_link():
     forward = BLOCK.forward_flops() / (0.5 * hw.peak_flops_bf16)
     assert costs["recompute"].extra_s == pytest.approx(forward)
     assert costs["keep"].extra_s == 0 and costs["selective"].extra_s < costs["recompute"].extra_s
+    hooks = BLOCK.saved_tensors() * hw.pack_overhead  # host time no link hides
     fast = hw.replace(link_h2d=1e15, link_d2h=1e15, link_latency=1e-12)
-    assert ac.policy_costs(BLOCK, fast)["offload"].extra_s == 0  # hidden under compute
+    assert ac.policy_costs(BLOCK, fast)["offload"].extra_s == pytest.approx(hooks)  # the copies hidden under compute
     slow = hw.replace(link_h2d=1e9, link_d2h=1e9)
     assert ac.policy_costs(BLOCK, slow)["offload"].extra_s > costs["recompute"].extra_s  # the link loses
     above = ac.offload_hidden_link(BLOCK, hw)
     at = hw.replace(link_h2d=1.01 * above, link_d2h=1.01 * above, link_latency=1e-12)
-    assert ac.policy_costs(BLOCK, at)["offload"].extra_s == 0
+    assert ac.policy_costs(BLOCK, at)["offload"].extra_s == pytest.approx(hooks)
+    below = hw.replace(link_h2d=0.99 * above, link_d2h=0.99 * above, link_latency=1e-12)
+    assert ac.policy_costs(BLOCK, below)["offload"].extra_s > hooks * 1.0001
+
+
+def test_each_saved_tensor_costs_its_hooks_and_a_copy_latency():
+    hw = profiles.preset("h100-sxm").replace(link_h2d=1e9, link_d2h=1e9)  # the copies exposed
+    base = ac.policy_costs(BLOCK, hw)["offload"].extra_s
+    slower_hooks = ac.policy_costs(BLOCK, hw.replace(pack_overhead=hw.pack_overhead + 1e-3))["offload"].extra_s
+    assert slower_hooks - base == pytest.approx(BLOCK.saved_tensors() * 1e-3)
+    longer = ac.policy_costs(BLOCK, hw.replace(link_latency=hw.link_latency + 1e-3))["offload"].extra_s
+    assert longer - base == pytest.approx(2 * BLOCK.saved_tensors() * 1e-3)  # down and up, one copy per tensor
+
+
+@pytest.mark.parametrize("batch, seq, hidden, heads", [(8, 64, 256, 8), (2, 512, 256, 8), (1, 16, 64, 4),
+                                                       (4, 8, 64, 2)])
+def test_the_saved_tensor_count_is_what_a_gpt_block_saves(batch, seq, hidden, heads):
+    """BlockShape.saved_tensors against the tensors the course GPT's block saves for backward that offload would move
+    (not weights, not empty, at least Activations' min_numel values)."""
+    from minioffload.model.gpt import Block, GPTConfig
+
+    block = Block(GPTConfig(vocab_size=16, block_size=seq, n_layer=1, n_head=heads, n_embd=hidden))
+    weights = {p.untyped_storage()._cdata for p in block.parameters()}
+    moved = []
+
+    def pack(tensor):
+        if tensor.numel() >= ac.MIN_NUMEL and tensor.untyped_storage()._cdata not in weights:
+            moved.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        block(torch.randn(batch, seq, hidden, requires_grad=True))
+    assert len(moved) == ac.BlockShape(seq, batch, hidden, heads).saved_tensors()
 
 
 def test_the_best_policy_is_the_fastest_that_fits():

@@ -18,11 +18,12 @@ N, T = 1_000_000, 1000  # 6 N T = 6e9 FLOP per step
 
 def machine(**changes) -> profiles.Hardware:
     """Round numbers: 1e11 FLOP/s at mfu 1 (forward 20 ms, backward 40 ms), links 1 GB/s, host 100 GB/s, CPU Adam
-    1e9 params/s (1 ms for N), disk 1 GB/s each way; no latency or launch cost unless asked."""
+    1e9 params/s (1 ms for N), disk 1 GB/s each way; no latency, launch or per-call cost unless asked."""
     figures = dict(device_memory=1e10, device_bandwidth=1e12, peak_flops_bf16=1e11, peak_flops_fp32=1e11,
                    device_adam_rate=1e10, link_theoretical=1e9, link_h2d=1e9, link_d2h=1e9, link_latency=0.0,
-                   copy_overhead=0.0, host_memory=1e11, host_bandwidth=1e11, cpu_adam_rate=1e9, nvme_read=1e9,
-                   nvme_write=1e9, cores=8, interconnect=1e9, gpus_per_node=8)
+                   copy_overhead=0.0, fetch_overhead=0.0, pack_overhead=0.0, host_memory=1e11, host_bandwidth=1e11,
+                   cpu_adam_rate=1e9, nvme_read=1e9, nvme_write=1e9, nvme_read_overhead=0.0, nvme_write_overhead=0.0,
+                   cores=8, interconnect=1e9, collective_latency=0.0, gpus_per_node=8)
     figures.update(changes)
     zero_ok = {k: max(v, 1e-30) for k, v in figures.items()}  # latency 0 is "none": the profile wants > 0
     return profiles.Hardware(name="test", description="hand-made", sources=dict.fromkeys(profiles.FIGURES, "test"),
@@ -271,7 +272,14 @@ def test_params_on_device_predicts_what_it_did_before_streaming_existed():
     # since issue 19 the weights go up in one copy per subgroup (5 tensors here): the last upload, which nothing
     # hides, pays 4 fewer latencies and the host issues 4 fewer copies
     fewer_copies = 4 * (rtx4090.link_latency + rtx4090.copy_overhead)
-    assert rtx.step_s == pytest.approx(6.032538235304857 - fewer_copies, rel=1e-12) and rtx.bound == "nvme"
+    no_file_costs = rtx4090.replace(nvme_read_overhead=1e-30, nvme_write_overhead=1e-30)
+    before = stepmodel.predict(Workload(1_300_000_000, 4096, "fp32", 150, True), no_file_costs, config)
+    assert before.step_s == pytest.approx(6.032538235304857 - fewer_copies, rel=1e-12) and rtx.bound == "nvme"
+    # since issue 32 each subgroup's state file, read and written once a step on the drive that bounds the step, adds
+    # its fixed costs (all but the reads the next step's start overlaps)
+    files = len(Workload(1_300_000_000, 4096, "fp32", 150, True).subgroups(50_000_000))
+    per_file = rtx4090.nvme_read_overhead + rtx4090.nvme_write_overhead
+    assert (files - 2) * per_file <= rtx.step_s - before.step_s <= files * per_file
     # the block structure and the prefetch depth mean nothing while the weights are resident
     layered = stepmodel.predict(Workload(7_000_000_000, 8 * 4096, num_tensors=291, num_layers=32,
                                          resident_params=10**8), profiles.preset("h100-sxm"), StepConfig(prefetch=4))
@@ -493,3 +501,26 @@ def test_step_config_is_a_placement_and_the_engines_options():
 def test_bad_issue_19_configurations_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):
         StepConfig(**bad)
+
+
+def test_each_mechanism_pays_its_fixed_cost_once_per_call():
+    """fetch_overhead once per block fetched, on the compute lane; a file's read or write cost once per file on the
+    drive; collective_latency once per collective on the interconnect."""
+    def busy_grows(lane, base, changed, per_call, count_of):
+        calls = count_of(base)
+        assert calls > 0 and changed.busy[lane] - base.busy[lane] == pytest.approx(calls * per_call, rel=1e-9)
+
+    def spans(prefix, lane=None):
+        return lambda pred: sum(1 for s in pred.trace.spans if s.name.startswith(prefix) and lane in (None, s.lane))
+
+    fetched = streamed(machine(), params_on="host")
+    busy_grows("compute", fetched, streamed(machine(fetch_overhead=1e-3), params_on="host"), 1e-3,
+               spans("fetch block"))
+    from_disk = streamed(machine(), params_on="nvme", optimizer_on="nvme")
+    busy_grows("nvme_read", from_disk, streamed(machine(nvme_read_overhead=1e-3), params_on="nvme",
+                                                optimizer_on="nvme"), 1e-3, spans("", "nvme_read"))
+    busy_grows("nvme_write", from_disk, streamed(machine(nvme_write_overhead=1e-3), params_on="nvme",
+                                                 optimizer_on="nvme"), 1e-3, spans("", "nvme_write"))
+    two = step(machine(), ranks=2, max_grad_norm=1.0)
+    busy_grows("net", two, step(machine(collective_latency=1e-3), ranks=2, max_grad_norm=1.0), 1e-3,
+               spans("", "net"))

@@ -1,0 +1,54 @@
+"""The per-call costs probe() measures: a streamed block's fetch, a saved tensor's offload, a file's read and write.
+
+Each is planted: the runtime's own step made slower by a known sleep per call must show in the measured cost (other
+work on the machine only ever adds to a pass, and each cost is the fastest pass against the fastest pass)."""
+
+import time
+
+import pytest
+
+from minioffload.devices import Link, device
+from minioffload.machine import measure
+from minioffload.model.activations import Activations
+from minioffload.model.streaming import ParamStreamer
+from minioffload.nvme.swapper import Swapper
+
+PLANTED = 5e-3  # s added to each call
+
+
+def slowed(monkeypatch, cls, name):
+    original = getattr(cls, name)
+
+    def slower(*args, **kwargs):
+        time.sleep(PLANTED)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(cls, name, slower)
+
+
+def fast_sim():
+    return device("sim", h2d=Link(1e12), d2h=Link(1e12), strict=False)
+
+
+def test_a_slower_fetch_shows_in_the_fetch_cost(monkeypatch):
+    with fast_sim() as dev:
+        plain = measure.fetch_cost(dev, blocks=6, width=64, batch=64, repeats=3)
+        slowed(monkeypatch, ParamStreamer, "_start")  # once per block fetched
+        slow = measure.fetch_cost(dev, blocks=6, width=64, batch=64, repeats=3)
+    assert slow - plain >= 0.5 * PLANTED
+
+
+def test_a_slower_pack_shows_in_the_pack_cost(monkeypatch):
+    with fast_sim() as dev:
+        plain = measure.pack_cost(dev, blocks=6, width=64, batch=64, repeats=3)
+        slowed(monkeypatch, Activations, "_pack")  # once per saved tensor
+        slow = measure.pack_cost(dev, blocks=6, width=64, batch=64, repeats=3)
+    assert slow - plain >= 0.5 * PLANTED
+
+
+def test_a_slower_commit_shows_in_the_write_cost_only(monkeypatch, tmp_path):
+    slowed(monkeypatch, Swapper, "_commit")  # once per durable write
+    costs = measure.file_costs(tmp_path, files=4)
+    assert costs["write"] >= PLANTED and costs["read"] > 0
+    with pytest.raises(ValueError, match="files must be >= 1"):
+        measure.file_costs(tmp_path, files=0)

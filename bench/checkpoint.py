@@ -28,7 +28,6 @@ import argparse
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -130,9 +129,7 @@ def make_run(kind: str, preset: str, batch_size: int, block_size: int, scratch: 
 
 def one_run(rounds: int, preset: str, batch_size: int, block_size: int, device_kind: str = "sim"
             ) -> tuple[list[dict], dict]:
-    scratch_root = Path(__file__).resolve().parents[1] / ".cache"
-    scratch_root.mkdir(exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=scratch_root) as scratch:
+    with common.scratch() as scratch:
         runs, finishes, ours = {}, [], None
         for kind in KINDS:
             runs[kind], finish, ckpt = make_run(kind, preset, batch_size, block_size, Path(scratch), device_kind)

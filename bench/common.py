@@ -9,10 +9,18 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SCRATCH = Path(__file__).resolve().parents[1] / ".cache"  # git-ignored; on the drive the checkout is on
+
+
+def scratch() -> tempfile.TemporaryDirectory:
+    """A temporary directory under the checkout's .cache/, created first: a fresh clone has none until `make` runs."""
+    SCRATCH.mkdir(exist_ok=True)
+    return tempfile.TemporaryDirectory(dir=SCRATCH)
 
 
 def machine() -> dict:

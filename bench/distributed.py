@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -66,7 +65,7 @@ def predict(one: dict, ranks: int, net: dict) -> float:
 
 
 def one_round(steps: int) -> dict:
-    with tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parents[1] / ".cache") as scratch:
+    with common.scratch() as scratch:
         one = run_ranks(1, steps, Path(scratch) / "one")
         two = run_ranks(2, steps, Path(scratch) / "two")
     net = gloo.measure()

@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -72,7 +71,7 @@ def measure(p: plan.Plan, steps: int, scratch: Path, index: int) -> dict:
 
 def one_run(steps: int, count: int) -> tuple[list[dict], dict, profiles.Hardware, plan.Limits]:
     profiles.probe.cache_clear()  # each run measures its own figures, the drive where the runs write
-    scratch = tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parents[1] / ".cache")
+    scratch = common.scratch()
     hw = profiles.probe(nvme_dir=scratch.name)
     spec = plan.ModelSpec.of_preset(PRESET, BLOCK)
     flops, overhead = calibrate(spec, steps, Path(scratch.name))

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -118,7 +117,7 @@ def one_run(rounds: int) -> tuple[list[dict], dict, profiles.Hardware, stepmodel
     profiles.probe.cache_clear()  # each run measures its own figures
     hw = profiles.probe()
     runs, devices, works, swappers = {}, [], {}, []
-    with tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parents[1] / ".cache") as scratch:
+    with common.scratch() as scratch:
         for name, (options, gbps, dtype) in SETUPS.items():
             runs[name], dev, works[name] = make_run(options, gbps, dtype, Path(scratch), swappers)
             devices.append(dev)

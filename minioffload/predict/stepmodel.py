@@ -44,7 +44,8 @@ the runtime's prefetches of the next step's first blocks during the last backwar
 
 Ranks (`StepConfig.placement.ranks`): each rank's micro-batch computes alike (one "compute" lane stands for all);
 after each subgroup's backward its gradient is reduced to its owner (shards.shard_owners) on the "net" lane, one
-communicator whose collectives run in issue order, each taking the link's latency + shards.ring_bytes / interconnect.
+communicator whose collectives run in issue order, each taking collective_latency + shards.ring_bytes / interconnect;
+the rest of the backward waits for each reduce (the runtime calls it from the gradient hook, and the call blocks).
 Only the owner copies it out, sums, clips (the partial norms all-reduced) and updates it on its own cores, and uploads
 it; then its owner broadcasts it. Rank r > 0's lanes are named "d2h:r", "cpu:r", ...; the trace shows rank 0's.
 Without offload the ranks all-reduce each subgroup-sized bucket of gradients. On a shared host (the sim) the ranks
@@ -167,6 +168,9 @@ class _Builder:
             if self.ranks > 1:  # the subgroup's gradient, reduced to its owner, leaves from there
                 kind = "reduce" if self.config.placement.offloaded else "all_reduce"
                 done = [self.collective(kind, params * mb, f"{kind.replace('_', '-')} grad", [done[-1]])] * len(done)
+                # the runtime's reduce is a blocking call from the gradient hook: the host thread (gloo) or the
+                # compute stream (NCCL) waits for it, so the rest of the backward runs after it
+                self.last_compute = done[-1]
                 if not self.config.placement.offloaded:
                     copies[0].append(done[0])
             if index in on_cpu:

@@ -168,3 +168,16 @@ def test_benchmarks_refuse_bad_numbers_and_fail_in_one_message(capsys, monkeypat
     monkeypatch.setenv("MINIOFFLOAD_DEBUG", "1")
     with pytest.raises(OSError):
         common.run(broken)
+
+
+def test_benchmarks_make_their_scratch_directory_in_a_fresh_clone(tmp_path, monkeypatch):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import common
+
+    monkeypatch.setattr(common, "SCRATCH", tmp_path / ".cache")  # a clone where `make` has not run: no .cache yet
+    with common.scratch() as scratch:
+        assert Path(scratch).is_dir() and Path(scratch).parent == tmp_path / ".cache"
+    assert not Path(scratch).exists()

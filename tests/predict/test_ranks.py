@@ -148,3 +148,16 @@ def test_capacity_and_the_published_figures():
     assert scaling.capacity(hw, 1) == pytest.approx(hw.host_memory / 18)
     assert {p["system"] for p in scaling.PUBLISHED} == {"ZeRO-Infinity", "SynergyScale"}
     assert all(p["gpus"] >= 1 and p["params"] > 1e11 for p in scaling.PUBLISHED)
+
+
+def test_the_backward_waits_for_each_gradient_reduce():
+    # The runtime reduces a subgroup's gradients from the gradient hook with a blocking call: the next subgroup's
+    # backward starts after it. On a slow interconnect the step is then at least the compute plus every reduce.
+    work = Workload(100_000_000, 2048, "fp32", 20)
+    hw = profiles.preset("8xh100-sxm").replace(interconnect=1e9)
+    p = stepmodel.predict(work, hw, StepConfig(ranks=2, subgroup_numel=10_000_000))
+    reduces = [s for s in p.trace.spans if s.lane == "net" and "reduce" in s.name]
+    assert len(reduces) == 10
+    forward = next(s for s in p.trace.spans if s.lane == "compute" and s.name == "forward")
+    backward_end = max(s.end for s in p.trace.spans if s.lane == "compute")
+    assert backward_end - forward.start >= p.busy["compute"] + sum(s.end - s.start for s in reduces[:-1]) - 1e-9

@@ -13,6 +13,8 @@ Headline (bench/results/plan_accuracy.json), median of 3 runs with their spread:
     median_relative_error   median over the plans of |predicted - measured| / measured    (target <= 0.15)
     chosen_plan_gap         measured step of the plan ranked first / the fastest measured (target <= 1.10)
     device_within_plan      every run's device peak (the sim's ledger) within the device bytes its plan predicted
+    out_of_memory           per run, the plans that ran out of the device memory they were planned for (each is a
+                            row without a step time, and makes device_within_plan false)
 
     python bench/plan_accuracy.py [--quick] [--runs N]
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -31,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import stats, write  # noqa: E402
 
+from minioffload.ledger import OutOfMemoryError  # noqa: E402
 from minioffload.machine import profiles  # noqa: E402
 from minioffload.planner import search as plan
 from minioffload.train.loop import TrainConfig, train  # noqa: E402
@@ -65,7 +69,10 @@ def measure(p: plan.Plan, steps: int, scratch: Path, index: int) -> dict:
     config = plan.train_config(p, device="sim", steps=steps, eval_every=10 * steps, progress=False,
                                device_memory=int(p.capacity["device"]), out_dir=str(scratch / f"run{index}"),
                                nvme_dir=str(scratch / f"nvme{index}"))
-    summary = train(config).summary
+    try:
+        summary = train(config).summary
+    except OutOfMemoryError as err:  # the plan needed more device memory than it promised: a row, not a crash
+        return {"step_s": None, "device_peak_bytes": None, "out_of_memory": str(err)}
     return {"step_s": summary["step_median_s"], "device_peak_bytes": summary["device_peak_bytes"]}
 
 
@@ -84,17 +91,23 @@ def one_run(steps: int, count: int) -> tuple[list[dict], dict, profiles.Hardware
     with scratch:
         for i, p in enumerate(picked):
             m = measure(p, steps, Path(scratch.name), i)
+            ran = m["step_s"] is not None
             rows.append({"plan": p.describe(), "rank": ranked.index(p) + 1, "predicted_s": p.step_s,
-                         "measured_s": m["step_s"], "ratio": p.step_s / m["step_s"],
-                         "relative_error": abs(p.step_s - m["step_s"]) / m["step_s"], "bound": p.bound,
-                         "device_predicted_bytes": p.memory["device"], "device_peak_bytes": m["device_peak_bytes"],
+                         "measured_s": m["step_s"], "ratio": p.step_s / m["step_s"] if ran else None,
+                         "relative_error": abs(p.step_s - m["step_s"]) / m["step_s"] if ran else None,
+                         "bound": p.bound, "device_predicted_bytes": p.memory["device"],
+                         "device_peak_bytes": m["device_peak_bytes"], "out_of_memory": m.get("out_of_memory"),
                          "plan_json": p.to_dict()})
-    fastest = min(r["measured_s"] for r in rows)
+    measured = [r for r in rows if r["measured_s"] is not None]
+    fastest = min(r["measured_s"] for r in measured)
     first = next(r for r in rows if r["rank"] == 1)
-    headline = {"median_relative_error": statistics.median(r["relative_error"] for r in rows),
-                "chosen_plan_gap": first["measured_s"] / fastest,
-                "device_within_plan": all(r["device_peak_bytes"] <= r["device_predicted_bytes"] for r in rows),
-                "plans": len(rows), "calibrated_flops": flops, "calibrated_block_overhead_s": overhead}
+    headline = {"median_relative_error": statistics.median(r["relative_error"] for r in measured),
+                # a chosen plan that runs out of memory has no step: as far from the fastest as a plan can be
+                "chosen_plan_gap": first["measured_s"] / fastest if first["measured_s"] is not None else math.inf,
+                "device_within_plan": all(r["measured_s"] is not None and r["device_peak_bytes"] <= r[
+                    "device_predicted_bytes"] for r in rows),
+                "out_of_memory": sum(r["measured_s"] is None for r in rows),
+                "plans": len(measured), "calibrated_flops": flops, "calibrated_block_overhead_s": overhead}
     return rows, headline, hw, limits
 
 
@@ -111,6 +124,10 @@ def main() -> int:
           f"device {DEVICE_MEMORY / MiB:.0f} MiB, {steps} steps per plan, {runs} run(s); the median run's rows:")
     print(f"{'rank':>4} {'predicted ms':>12} {'measured ms':>11} {'ratio':>6}  plan")
     for r in rows:
+        if r["measured_s"] is None:
+            print(f"{r['rank']:>4} {r['predicted_s'] * 1e3:>12.1f} {'out of mem':>11} {'':>6}  {r['plan']}\n"
+                  f"{'':>6}{r['out_of_memory']}")
+            continue
         print(f"{r['rank']:>4} {r['predicted_s'] * 1e3:>12.1f} {r['measured_s'] * 1e3:>11.1f} {r['ratio']:>6.2f}  "
               f"{r['plan']}")
     per_run = [h for _, h, _, _ in results]
@@ -120,6 +137,7 @@ def main() -> int:
                 "chosen_plan_gap": spread["chosen_plan_gap"]["median"],
                 "device_within_plan": all(h["device_within_plan"] for h in per_run),
                 "plans": per_run[0]["plans"], "runs": runs, "spread": spread,
+                "out_of_memory": [h["out_of_memory"] for h in per_run],
                 "targets": {"median_relative_error": 0.15, "chosen_plan_gap": 1.10}}
     def each(key: str) -> str:
         return ", ".join(f"{h[key]:.3f}" for h in per_run)
@@ -127,7 +145,8 @@ def main() -> int:
     print(f"headline (median of {runs} run(s)): median_relative_error={headline['median_relative_error']:.3f} "
           f"(runs: {each('median_relative_error')}), chosen_plan_gap={headline['chosen_plan_gap']:.3f} "
           f"(runs: {each('chosen_plan_gap')}), "
-          f"device within plan: {headline['device_within_plan']}")
+          f"device within plan: {headline['device_within_plan']} (plans out of memory per run: "
+          f"{', '.join(map(str, headline['out_of_memory']))})")
     config = {"preset": PRESET, "block_size": BLOCK, "batch": BATCH, "device_memory": DEVICE_MEMORY,
               "precision": PRECISION,
               "steps": steps, "quick": args.quick, "limits": dataclasses.asdict(limits),

@@ -30,19 +30,15 @@ def fast_sim():
     return device("sim", h2d=Link(1e12), d2h=Link(1e12), strict=False)
 
 
-def test_a_slower_fetch_shows_in_the_fetch_cost(monkeypatch):
+@pytest.mark.parametrize("cost, cls, method", [
+    (measure.fetch_cost, ParamStreamer, "_start"),  # once per block fetched
+    (measure.pack_cost, Activations, "_pack"),  # once per saved tensor
+])
+def test_a_slower_call_shows_in_its_mechanisms_cost(monkeypatch, cost, cls, method):
     with fast_sim() as dev:
-        plain = measure.fetch_cost(dev, blocks=6, width=64, batch=64, repeats=3)
-        slowed(monkeypatch, ParamStreamer, "_start")  # once per block fetched
-        slow = measure.fetch_cost(dev, blocks=6, width=64, batch=64, repeats=3)
-    assert slow - plain >= 0.5 * PLANTED
-
-
-def test_a_slower_pack_shows_in_the_pack_cost(monkeypatch):
-    with fast_sim() as dev:
-        plain = measure.pack_cost(dev, blocks=6, width=64, batch=64, repeats=3)
-        slowed(monkeypatch, Activations, "_pack")  # once per saved tensor
-        slow = measure.pack_cost(dev, blocks=6, width=64, batch=64, repeats=3)
+        plain = cost(dev, blocks=6, width=64, batch=64, repeats=3)
+        slowed(monkeypatch, cls, method)
+        slow = cost(dev, blocks=6, width=64, batch=64, repeats=3)
     assert slow - plain >= 0.5 * PLANTED
 
 

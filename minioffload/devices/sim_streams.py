@@ -14,6 +14,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
+
 
 def sleep_until(at: float) -> None:
     """Sleep until model time `at` (time.perf_counter seconds)."""
@@ -106,6 +108,11 @@ class SimStream:
         self._queue.put((op, time.perf_counter()))
 
     def _run(self) -> None:
+        # A GPU's copy engines and kernels do not take the host's cores from its compute; here they must take some.
+        # One thread each: with torch's default (all cores) every stream's copy would start its own OpenMP team, the
+        # host's compute team would wait at its barriers for a core, and compute on a 2-core machine ran up to twice
+        # as long beside a stream of copies (bench/plan_accuracy.py).
+        torch.set_num_threads(1)
         while (item := self._queue.get()) is not None:
             op, enqueued = item
             try:

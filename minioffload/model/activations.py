@@ -104,8 +104,10 @@ class Activations:
         self.d2h = dev.stream("activations d2h") if offloads else None
         self.h2d = dev.stream("activations h2d") if offloads else None
         self.arena = _Arena(dev, pool_bytes) if offloads else None
-        # weights by storage object, not address: a streamed weight (chapter 8) keeps its storage, not its address
-        self._weights = {p.untyped_storage()._cdata for block in blocks for p in block.parameters()}
+        # the offloading block's weights, by storage object, not address (a streamed weight, chapter 8, keeps its
+        # storage, not its address); read at each forward: an optimizer may have moved them since (OffloadAdam puts
+        # a model's weights in one flat buffer), and a weight saved through a stale set was copied out and back
+        self._weights: set[int] = set()
         # block -> its packed tensors not yet fetched, by weak reference: the graph that saved them holds them, and
         # a forward never backpropagated drops them with its graph
         self._waiting: dict[int, list[weakref.ref]] = {}
@@ -131,6 +133,7 @@ class Activations:
         elif name == "offload":
             def run(*args, **kwargs):
                 self._one_set_in_flight()
+                self._weights = {p.untyped_storage()._cdata for p in block.parameters()}
                 with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(index, t),
                                                                lambda packed: self._unpack(index, packed)):
                     out = forward(*args, **kwargs)

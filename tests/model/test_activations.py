@@ -204,6 +204,28 @@ def test_saved_tensors_off_the_device_are_left_alone(sim):
     assert sim.ledger.used("device") == before and not acts._waiting
 
 
+def test_weights_moved_after_the_policy_was_set_are_still_not_offloaded(sim):
+    """An optimizer may put the weights in new storage after the policy is set (OffloadAdam gathers them into one
+    flat buffer): offload still moves only activations. It used to recognise the weights it saw at construction, and
+    copied each block's weights out and back every step (3 MiB a block of the planner's 'medium' GPT, beyond its
+    plan)."""
+    block = sim.place(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8)))
+    acts = Activations([block], "offload", sim, min_numel=0)
+    old = [p.data for p in block.parameters()]  # held: a freed storage's address may be the next one's
+    for p in block.parameters():  # new storage, the same values
+        p.data = sim.adopt(p.data.clone(), "moved weight")
+    x = sim.adopt(torch.randn(64, 16), "x")
+    loss = block(x).sum()
+    shapes = sorted(tuple(packed.host.shape) for refs in acts._waiting.values() for ref in refs
+                    if (packed := ref()) is not None)
+    weights = {shape for p in block.parameters() for shape in (tuple(p.shape), tuple(p.shape)[::-1])}  # or W^T
+    assert shapes and not weights & set(shapes), f"offloaded the weights: {shapes}"
+    del old
+    loss.backward()
+    sim.synchronize()
+    acts.remove()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("policy", [p for p in POLICIES if p != "keep"])

@@ -50,7 +50,9 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
     pl.add_argument("--out", default="plan.json", metavar="FILE", help="where the chosen plan goes")
     pl.add_argument("--export", default=None, metavar="DIR",
                     help="also write the chosen plan for other systems: DIR/deepspeed.json, DIR/fsdp2_plan.py, "
-                         "DIR/torchao_plan.py, each listing what that system cannot express")
+                         "DIR/torchao_plan.py, each listing what that system cannot express (give --lr)")
+    pl.add_argument("--lr", type=float, default=None,
+                    help="your model's learning rate, for the exported DeepSpeed config (needed with --export)")
     pl.set_defaults(run=plan_command)
     return pl
 
@@ -84,7 +86,7 @@ def plan_command(args: argparse.Namespace) -> int:
 
         out = Path(args.export)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "deepspeed.json").write_text(json.dumps(export.to_deepspeed_config(best), indent=2) + "\n")
+        (out / "deepspeed.json").write_text(json.dumps(export.to_deepspeed_config(best, lr=args.lr), indent=2) + "\n")
         (out / "fsdp2_plan.py").write_text(export_code.to_fsdp2_code(best))
         (out / "torchao_plan.py").write_text(export_code.to_torchao_code(best))
         for system in ("deepspeed", "fsdp2", "torchao"):
@@ -113,6 +115,11 @@ def check_plan_args(args: argparse.Namespace, pl: argparse.ArgumentParser) -> No
         pl.error("--host-gb 0 leaves no host memory: every configuration needs some; give the GB it may use")
     if args.top < 1:
         pl.error(f"--top must be at least 1, got {args.top}")
+    if args.export is not None and args.lr is None:
+        pl.error("--export needs --lr, your model's learning rate: the exported DeepSpeed config sets its optimizer "
+                 "with it (no default fits every model)")
+    if args.lr is not None and not 0 < args.lr < math.inf:
+        pl.error(f"--lr must be a positive learning rate, got {args.lr}")
     try:
         if args.model is not None:
             args.spec = planner.ModelSpec.of_preset(args.model, args.seq_len)

@@ -1,7 +1,7 @@
 """A plan in other systems' terms: what each cannot express of it, and the DeepSpeed config that comes closest.
 The FSDP2 and torchao code that come closest are written by planner/export_code.py.
 
-    config = to_deepspeed_config(plan, world_size=1, nvme_path="/local_nvme")   # a dict: json.dump it
+    config = to_deepspeed_config(plan, world_size=1, lr=3e-4)   # a dict: json.dump it (lr: your model's)
     unsupported(plan, "fsdp2")            # what of the plan that system cannot express, a sentence each
 
 Where each part of the plan goes:
@@ -37,7 +37,6 @@ import math
 import torch
 
 from ..nvme.swapper import Swapper
-from ..train.loop import TrainConfig
 from ..units import format_bytes
 from .plan import Plan
 
@@ -48,7 +47,6 @@ LINEARS_PER_BLOCK = 4  # ModelSpec's block: qkv, the attention's projection, the
 SWAP_TENSORS = 4  # what DeepSpeed's NVMe optimizer swapper moves per subgroup: fp32 master, exp_avg, exp_avg_sq, grad
 BLOCK_SIZE = inspect.signature(Swapper).parameters["block_size"].default
 WORKERS = inspect.signature(Swapper).parameters["workers"].default
-LR = TrainConfig.lr
 WEIGHT_DECAY = inspect.signature(torch.optim.AdamW).parameters["weight_decay"].default
 INTRA_OP_SINCE = (0, 16, 4)  # DeepSpeed's aio "thread_count" is "intra_op_parallelism" from this release on
 
@@ -156,6 +154,9 @@ def _torchao_gaps(plan: Plan) -> list[str]:
                     "alone, so every weight stays on the GPU and there is no prefetch to set.")
     if plan.optimizer_on == "nvme":
         gaps.append("The optimizer state's NVMe home: CPUOffloadOptimizer keeps it in host memory.")
+    if plan.options.max_grad_norm is not None:
+        gaps.append(f"Clipping the gradients to norm {plan.options.max_grad_norm:g}: CPUOffloadOptimizer does not "
+                    "support it, so this code trains unclipped.")
     if plan.gpu_fraction:
         gaps.append(f"The hybrid update (gpu_fraction {plan.gpu_fraction:.2f}): CPUOffloadOptimizer updates on "
                     "the CPU all but the tensors smaller than its minimal_size (4096 elements by default); no share "
@@ -193,7 +194,7 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def to_deepspeed_config(plan: Plan, world_size: int | None = None, *, nvme_path: str = "/local_nvme", lr: float = LR,
+def to_deepspeed_config(plan: Plan, world_size: int | None = None, *, lr: float, nvme_path: str = "/local_nvme",
                         weight_decay: float = WEIGHT_DECAY, block_size: int = BLOCK_SIZE, workers: int = WORKERS,
                         queue_depth: int = 8, deepspeed_version: str | None = None, comments: bool = True) -> dict:
     """The DeepSpeed config (a dict for `json.dump` or `deepspeed.initialize(config=...)`) closest to `plan` on
@@ -213,9 +214,12 @@ def to_deepspeed_config(plan: Plan, world_size: int | None = None, *, nvme_path:
     (the plan's options' nvme_buffers: one reading, one updating, one writing), read and written in a pipeline as
     the tier does, and fast_init stays off (its fp16 buffers would have to hold a whole subgroup). `ratio`,
     DeepSpeed's share of subgroups updated on the CPU, is 1 - gpu_fraction.
-    The "optimizer" section is AdamW with TrainConfig's lr and torch's other defaults: with offload DeepSpeed
-    builds its CPU Adam from it, which its partial offload (`ratio`) requires.
+    The "optimizer" section is AdamW with `lr` (yours: no default, since the course GPTs' rate would be far too large
+    for the models a plan is usually for) and torch's other defaults: with offload DeepSpeed builds its CPU Adam from
+    it, which its partial offload (`ratio`) requires. "gradient_clipping" is the plan's `max_grad_norm`.
     """
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
+        raise ValueError(f"lr must be a positive learning rate (your model's), got {lr!r}")
     world_size = plan.ranks if world_size is None else world_size  # default: the ranks the plan was made for
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int (GPUs, each running the plan), got {world_size!r}")
@@ -227,6 +231,8 @@ def to_deepspeed_config(plan: Plan, world_size: int | None = None, *, nvme_path:
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
                                                   "weight_decay": weight_decay}},
     }
+    if plan.options.max_grad_norm is not None:  # the plan clips (and the step model prices the pass)
+        config["gradient_clipping"] = plan.options.max_grad_norm
     if plan.precision == "mixed_bf16":
         config["bf16"] = {"enabled": True}
     zero: dict = {"stage": stage}

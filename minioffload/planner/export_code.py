@@ -1,7 +1,7 @@
 """A plan as Python source for FSDP2 and for torchao: the code that comes closest to it, with what that system
 cannot express of the plan (export.unsupported) as comments at its top.
 
-    code = to_fsdp2_code(plan)            # apply_plan(model), make_optimizer(model), train_step(...)
+    code = to_fsdp2_code(plan)            # apply_plan(model), make_optimizer(model, lr), train_step(...)
     code = to_torchao_code(plan)          # the same three functions around torchao's CPUOffloadOptimizer
 
 What this is not: a runner. It writes source text and runs none of it (tests/planner/test_export.py runs the FSDP2
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import textwrap
 
-from .export import LR, WEIGHT_DECAY, unsupported
+from .export import WEIGHT_DECAY, unsupported
 from .plan import Plan
 
 _SELECTIVE = '''
@@ -76,10 +76,17 @@ def train_step(model, optimizer, micro_batches, loss_of=lambda model, batch: mod
 {forward}
         (loss / len(micro_batches)).backward(){sum_note}
         total += loss.detach()
-    optimizer.step()
+{clip}    optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total / len(micro_batches)
 '''
+
+
+def _clip(plan: Plan) -> str:
+    """train_step's clipping line, as the plan clips (its max_grad_norm), or nothing."""
+    if plan.options.max_grad_norm is None:
+        return ""
+    return f"    torch.nn.utils.clip_grad_norm_(model.parameters(), {plan.options.max_grad_norm!r})  # the plan clips\n"
 
 
 def _comment(lines: list[str], width: int = 116) -> str:
@@ -139,7 +146,8 @@ def to_fsdp2_code(plan: Plan) -> str:
     offload = plan.optimizer_on != "device"
     streamed = offload or plan.params_on != "device"
     usage = ("Run under torchrun after torch.distributed.init_process_group: model = apply_plan(model); "
-             "optimizer = make_optimizer(model); then train_step(model, optimizer, micro_batches) per step.")
+             "optimizer = make_optimizer(model, lr=<your model's learning rate>); then train_step(model, optimizer, "
+             "micro_batches) per step.")
     policy = "CPUOffloadPolicy(pin_memory=pin_memory)" if offload else "OffloadPolicy()"
     mixed = ("MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
              if plan.precision == "mixed_bf16" else "MixedPrecisionPolicy()")
@@ -169,13 +177,14 @@ def apply_plan(model, blocks=None, mesh=None, pin_memory=True):
     return model
 
 
-def make_optimizer(model, lr={LR!r}, weight_decay={WEIGHT_DECAY!r}):
+def make_optimizer(model, lr, weight_decay={WEIGHT_DECAY!r}):
     """torch's AdamW over the sharded parameters{where}."""
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
 '''
     train = _TRAIN_STEP.format(
         forward="        loss = loss_of(model, batch)",
-        sum_note=("  # reduce-scattered each time: the gradients add up in host memory" if offload else ""))
+        sum_note=("  # reduce-scattered each time: the gradients add up in host memory" if offload else ""),
+        clip=_clip(plan))
     code = "\n".join([
         _comment(_header(plan, "fsdp2", usage)),
         _imports(plan, [fsdp]), "",
@@ -195,7 +204,8 @@ def to_torchao_code(plan: Plan) -> str:
     offload = plan.optimizer_on != "device"
     acts = any(p != "keep" for p in plan.activations)
     usage = ("One GPU (torchao's offload is single-GPU): model = apply_plan(model.cuda()); "
-             "optimizer = make_optimizer(model); then train_step(model, optimizer, micro_batches) per step.")
+             "optimizer = make_optimizer(model, lr=<your model's learning rate>); then train_step(model, optimizer, "
+             "micro_batches) per step.")
     if offload:
         make = ("CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=OFFLOAD_GRADIENTS,\n"
                 "                               fused=True, lr=lr, weight_decay=weight_decay)")
@@ -217,7 +227,7 @@ def apply_plan(model, blocks=None, pin_memory=True):
     return model
 
 
-def make_optimizer(model, lr={LR!r}, weight_decay={WEIGHT_DECAY!r}):
+def make_optimizer(model, lr, weight_decay={WEIGHT_DECAY!r}):
     """AdamW {what}."""
     return {make}
 '''
@@ -225,7 +235,7 @@ def make_optimizer(model, lr={LR!r}, weight_decay={WEIGHT_DECAY!r}):
     if plan.precision == "mixed_bf16":
         forward = ("        with torch.autocast(\"cuda\", dtype=torch.bfloat16):  # bf16 compute, fp32 weights\n"
                    "            loss = loss_of(model, batch)")
-    train = _TRAIN_STEP.format(forward=forward, sum_note="")
+    train = _TRAIN_STEP.format(forward=forward, sum_note="", clip="" if offload else _clip(plan))
     more = {}
     if offload:
         more["OFFLOAD_GRADIENTS"] = (plan.grad_accum == 1, "frees GPU gradients; breaks gradient accumulation")

@@ -21,16 +21,16 @@ from ..options import Placement, check_field
 from .memory import PRECISIONS
 from .stepmodel import StepConfig, Workload, predict
 
-# Multi-GPU offload figures the papers report (citation keys of book/references.bib where it has the source). They
+# Multi-GPU offload figures the papers report, with their citation keys in book/references.bib. They
 # are capacities, not throughput: neither paper gives tokens/s at N GPUs. Both systems shard or stream the
 # weights too (ZeRO-3 style), which this sharding (weights replicated) does not: compare with `capacity`.
 PUBLISHED = (
     {"system": "ZeRO-Infinity", "key": "rajbhandari2021zeroinfinity", "gpus": 16, "hardware": "v100-dgx2",
      "params": 1e12, "kind": "capacity", "figure": "fine-tunes 1T parameters on one DGX-2 (NVMe offload)"},
-    {"system": "SynergyScale", "key": None, "gpus": 1, "hardware": "A100 80 GB", "params": 114.41e9,
-     "kind": "capacity", "figure": "114.41B parameters on one 80 GB A100 (SynergyScale, not in references.bib)"},
-    {"system": "SynergyScale", "key": None, "gpus": 8, "hardware": "A100 80 GB", "params": 547.77e9,
-     "kind": "capacity", "figure": "547.77B parameters on eight A100s (SynergyScale, not in references.bib)"},
+    {"system": "SynergyScale", "key": "sun-synergyscale", "gpus": 1, "hardware": "A100 80 GB", "params": 114.41e9,
+     "kind": "capacity", "figure": "114.41B parameters on one 80 GB A100 (SynergyScale)"},
+    {"system": "SynergyScale", "key": "sun-synergyscale", "gpus": 8, "hardware": "A100 80 GB", "params": 547.77e9,
+     "kind": "capacity", "figure": "547.77B parameters on eight A100s (SynergyScale)"},
 )
 
 

@@ -181,3 +181,24 @@ def test_a_target_check_prints_a_miss_as_a_miss(capsys):
     missed, met = capsys.readouterr().out.splitlines()
     assert missed == "MISSED: 0.56 against 0.15: the error is within 0.15 (8 plans)"
     assert met == "MET the error is within 0.15 (0.10 against 0.15)" and "PASS" not in missed
+
+
+def test_a_timed_verdict_says_so_and_nbval_compares_it_sanitized(capsys):
+    """A verdict on a time measured on a shared machine can flip under load: it is marked, and the sanitizer that
+    nbval uses turns the whole line into one token (the verdict stays visible in the book)."""
+    import configparser
+    import re
+    from pathlib import Path
+
+    from minioffload.course import check
+
+    check.expect("offload hides", False, "1.30x", timed=True)
+    check.target("the error is within 0.15", 0.42, 0.15, False, timed=True)
+    check.expect("the bytes agree", True)
+    failed, missed, plain = capsys.readouterr().out.splitlines()
+    assert failed == "FAIL (timed) offload hides (1.30x)" and missed.startswith("MISSED (timed): 0.42 against 0.15")
+    rules = configparser.ConfigParser()
+    rules.read(Path(__file__).resolve().parents[1] / "nbval_sanitize.cfg")
+    rule = rules["timed verdicts"]
+    text = re.sub(rule["regex"], rule["replace"], "\n".join([failed, missed, plain]))
+    assert text.splitlines() == ["TIMED VERDICT", "TIMED VERDICT", plain]

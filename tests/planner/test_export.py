@@ -15,11 +15,17 @@ import torch
 
 from minioffload.model.gpt import GPT, GPTConfig
 from minioffload.planner import export
-from minioffload.planner.export import to_deepspeed_config, unsupported
+from minioffload.planner.export import to_deepspeed_config as _to_deepspeed_config
+from minioffload.planner.export import unsupported
 from minioffload.planner.export_code import to_fsdp2_code, to_torchao_code
 from minioffload.planner.plan import ModelSpec, Plan
 
 SPEC = ModelSpec.of_preset("tiny")
+LR = 3e-3  # the tests' learning rate (an export takes the user's)
+
+
+def to_deepspeed_config(plan, *args, **kwargs):
+    return _to_deepspeed_config(plan, *args, lr=LR, **kwargs)
 
 
 def make_plan(**changes) -> Plan:
@@ -155,6 +161,17 @@ def test_deepspeed_batch_counts_every_gpu(ds, monkeypatch):
     assert ds.DeepSpeedConfig(to_deepspeed_config(four_ranks)).train_batch_size == parsed.train_batch_size
 
 
+def test_deepspeed_takes_the_users_lr_and_clips_as_the_plan():
+    cfg = to_deepspeed_config(HOST)
+    assert cfg["optimizer"]["params"]["lr"] == LR and cfg["gradient_clipping"] == HOST.options.max_grad_norm == 1.0
+    with pytest.raises(TypeError, match="lr"):
+        _to_deepspeed_config(HOST)  # no default: the course GPTs' rate would be far too large for a 70B model
+    with pytest.raises(ValueError, match="positive learning rate"):
+        _to_deepspeed_config(HOST, lr=0.0)
+    assert "clip" in " ".join(unsupported(HOST, "torchao")).lower()
+    assert "clip_grad_norm_(model.parameters(), 1.0)" in to_fsdp2_code(HOST)
+
+
 def test_deepspeed_aio_follows_the_swapper_and_the_release():
     aio = to_deepspeed_config(NVME, block_size=1 << 18, workers=8, queue_depth=16)["aio"]
     assert aio["block_size"] == 1 << 18 and aio["intra_op_parallelism"] == 8 and aio["queue_depth"] == 16
@@ -245,10 +262,12 @@ def _batches(plan: Plan, seed: int = 0) -> list:
              torch.randint(0, SPEC.vocab, shape, generator=generator)) for _ in range(plan.grad_accum)]
 
 
-def _reference_step(model, batches) -> float:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=export.LR, weight_decay=export.WEIGHT_DECAY)
+def _reference_step(model, batches, max_grad_norm=None) -> float:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=export.WEIGHT_DECAY)
     loss = sum(model(*batch)[1] for batch in batches) / len(batches)
     loss.backward()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     return loss.item()
 
@@ -278,10 +297,10 @@ def test_fsdp2_code_trains_as_an_unsharded_step(cpu_mesh, plan):
     model = GPT(GPTConfig.preset("tiny", vocab_size=SPEC.vocab))
     reference = copy.deepcopy(model)
     namespace["apply_plan"](model, mesh=cpu_mesh, pin_memory=False)
-    optimizer = namespace["make_optimizer"](model)
+    optimizer = namespace["make_optimizer"](model, lr=LR)
     batches = _batches(plan)
     loss = namespace["train_step"](model, optimizer, batches)
-    assert loss.item() == pytest.approx(_reference_step(reference, batches), rel=1e-6)
+    assert loss.item() == pytest.approx(_reference_step(reference, batches, plan.options.max_grad_norm), rel=1e-6)
     for (name, sharded), plain in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert type(sharded).__name__ == "DTensor" and sharded.device.type == "cpu"
         torch.testing.assert_close(sharded.full_tensor(), plain, msg=name)
@@ -304,7 +323,7 @@ def test_torchao_code_runs_with_a_stand_in(monkeypatch):
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("tiny", vocab_size=SPEC.vocab))
     reference = copy.deepcopy(model)
-    optimizer = namespace["make_optimizer"](namespace["apply_plan"](model, pin_memory=False))
+    optimizer = namespace["make_optimizer"](namespace["apply_plan"](model, pin_memory=False), lr=LR)
     assert made["optimizer_class"] is torch.optim.AdamW and made["offload_gradients"] is False
     batches = _batches(plan, seed=1)
     loss = namespace["train_step"](model, optimizer, batches)

@@ -228,11 +228,12 @@ def test_train_config_refuses_a_plan_it_cannot_run():
 def test_the_plan_command_prints_ranks_and_writes_a_plan_train_runs(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", "tiny", "--hardware", "laptop", "--batch", "4", "--out", str(out),
-                 "--export", str(tmp_path / "elsewhere")]) == 0
+                 "--export", str(tmp_path / "elsewhere"), "--lr", "3e-4"]) == 0
     text = capsys.readouterr().out
     assert "chosen:" in text and "the others lose:" in text and "x the step" in text
     ds = json.loads((tmp_path / "elsewhere" / "deepspeed.json").read_text())
     assert ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] == 4
+    assert ds["optimizer"]["params"]["lr"] == 3e-4 and ds["gradient_clipping"] == 1.0
     compile((tmp_path / "elsewhere" / "fsdp2_plan.py").read_text(), "fsdp2_plan.py", "exec")
     chosen = Plan.load(out)
     assert chosen.model.preset == "tiny" and chosen.step_s > 0

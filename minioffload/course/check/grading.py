@@ -144,17 +144,24 @@ def task(task_id: str, fn: Callable) -> None:
     print(grade(task_id, fn))
 
 
-def expect(claim: str, ok: bool, detail: str = "") -> None:
-    """A chapter's check cell: print 'PASS claim (detail)' or 'FAIL claim (detail)' on one line."""
-    print(f"{'PASS' if ok else 'FAIL'} {claim}" + (f" ({detail})" if detail else ""))
+def _timed(timed: bool) -> str:
+    # a verdict on a time measured on this (shared) machine: another process can flip it, so nbval compares the line
+    # sanitized ("timed" in tests/nbval_sanitize.cfg) while the reader still sees the verdict
+    return " (timed)" if timed else ""
 
 
-def target(claim: str, value: float, goal: float, met: bool, detail: str = "") -> None:
+def expect(claim: str, ok: bool, detail: str = "", timed: bool = False) -> None:
+    """A chapter's check cell: print 'PASS claim (detail)' or 'FAIL claim (detail)' on one line. `timed`: the verdict
+    rests on a time measured here, which a busy machine can change (the line says so)."""
+    print(f"{'PASS' if ok else 'FAIL'}{_timed(timed)} {claim}" + (f" ({detail})" if detail else ""))
+
+
+def target(claim: str, value: float, goal: float, met: bool, detail: str = "", timed: bool = False) -> None:
     """A chapter's check of a stated target, on one line: 'MET claim (value against goal)', or
-    'MISSED: value against goal: claim' when `met` is False. The threshold is the target itself, never a looser one."""
+    'MISSED: value against goal: claim' when `met` is False. The threshold is the target itself, never a looser one.
+    `timed` as for `expect`."""
     against = f"{value:.2f} against {goal:.2f}"
     if met:
-        print(f"MET {claim} ({against}" + (f"; {detail})" if detail else ")"))
+        print(f"MET{_timed(timed)} {claim} ({against}" + (f"; {detail})" if detail else ")"))
     else:
-        print(f"MISSED: {against}: {claim}" + (f" ({detail})" if detail else ""))
-
+        print(f"MISSED{_timed(timed)}: {against}: {claim}" + (f" ({detail})" if detail else ""))

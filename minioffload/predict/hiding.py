@@ -79,7 +79,9 @@ def _rate(hw: Hardware, precision: str, mfu: float) -> float:
 
 def streamed_fetch(work: Workload, hw: Hardware, home: str = "host", mfu: float = 0.4) -> Condition:
     """A streamed block's fetch (from the "host" home, or "nvme": the read and the copy pipelined, the slower paces)
-    under its forward, with prefetch >= 1 (at 0 no fetch overlaps compute)."""
+    under its forward, with prefetch >= 1 from the host and >= 2 from NVMe (at 0 no fetch overlaps compute; from NVMe
+    at 1, a block's read and its copy both wait for the same block's compute and run one after the other, so their
+    sum, not the slower, must fit under a forward)."""
     if home not in ("host", "nvme"):
         raise ValueError(f"home must be 'host' or 'nvme', got {home!r}")
     rate = _rate(hw, work.precision, mfu)

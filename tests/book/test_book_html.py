@@ -3,6 +3,7 @@
 Deselected by default (see pyproject.toml); `make test` runs it after building the book.
 """
 
+import re
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,27 @@ def test_a_lab_page_says_how_to_open_it_and_shows_no_outputs(page):
     assert f"exercises/solutions/{page.stem}.ipynb" in text, "the page does not say where the solutions are"
     assert "NotImplementedError" in text, "the page does not show the student's stub code"
     assert not doc.select(".cell_output"), "a lab page shows outputs: it must show the student copy, unexecuted"
+
+
+# Words that speak of the project's own development, not to the reader: its issues and their targets, its developer
+# files, work left unchecked, who built a page. (A check's verdict TODO is the reader's: it is not here.)
+DEVELOPMENT = re.compile(r"\bthe issue'?s?\b|\bissue #?\d+\b(?!\s*(?:us|µs|ms|ns)\b)|REFERENCES\.md|DESIGN\.md|"
+                         r"\bnot checked\b|\bhelper[- ]built\b|\bclosing note\b|\bthis session\b|\bFIXME\b|\bXXX\b",
+                         re.IGNORECASE)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(HTML)))
+def test_no_page_speaks_of_the_projects_development(page):
+    doc = soup(page)
+    for hidden in doc.find_all(["script", "style"]):
+        hidden.decompose()
+    text = " ".join(doc.get_text(" ").split())
+    found = [text[max(0, m.start() - 60):m.end() + 40] for m in DEVELOPMENT.finditer(text)]
+    assert not found, f"{page.name} speaks of the project's development: {found[:3]}"
+
+
+def test_the_development_words_are_caught():
+    for said in ("the issue's target", "see issue 32", "REFERENCES.md", "not checked", "helper-built"):
+        assert DEVELOPMENT.search(said), said
+    for fine in ("issue 21 us per copy", "each copy's issue cost", "a TODO verdict"):
+        assert not DEVELOPMENT.search(fine), fine

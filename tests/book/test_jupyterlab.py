@@ -137,10 +137,11 @@ def task_count(notebook: Path) -> int:
 
 def test_chapter_one_runs_in_jupyterlab_and_every_check_passes(browser, lab):
     lines, page = run_all(browser, lab, "01_memory_wall.ipynb", "PASS torch Adam")
-    verdicts = [line for line in lines if line.startswith(("PASS ", "FAIL "))]
-    # a prediction against a time measured here is judged on a quiet machine only (nbval_sanitize.cfg)
-    checks = [v for v in verdicts if not v[5:].startswith("the step model predicts")]
-    assert len(checks) >= 7 and all(v.startswith("PASS ") for v in checks), [v for v in checks if v[:5] != "PASS "]
+    verdicts = [line for line in lines if line.startswith(VERDICTS)]
+    # a verdict on a time measured here says "(timed)": with Chromium beside it, it may miss (nbval_sanitize.cfg)
+    checks = [v for v in verdicts if "(timed)" not in v]
+    assert len(checks) >= 7 and all(v.startswith(("PASS ", "MET ")) for v in checks), [
+        v for v in checks if not v.startswith(("PASS ", "MET "))]
     assert page.locator('[data-mime-type="application/vnd.jupyter.error"]').count() == 0, "a cell raised"
     # the explorer is live in JupyterLab too: changing the placement redraws its figure
     assert_redraws(page, lambda chart: chart.locator("select[name=placement]").select_option("optimizer_cpu"))
@@ -157,21 +158,23 @@ def test_lab_one_student_copy_says_todo_for_every_task(browser, lab):
     page.close()
 
 
+VERDICTS = ("PASS ", "FAIL ", "MET ", "MISSED")  # check.expect's and check.target's lines
 # Chapter 2's checks that time copies and pipelines: with Chromium and the server on the same two cores they can
-# miss, which this UI test is not about; nbval compares their verdicts on a quiet kernel.
-TIMED_CHECKS = ("PASS two buffers make the pipeline", "PASS with two buffers the makespan",
-                "PASS the copy model predicts")
+# miss, which this UI test is not about. Those marked "(timed)" say so themselves; this one does not.
+TIMED_CHECKS = ("with two buffers the makespan",)
 
 
 def test_chapter_two_runs_in_jupyterlab_and_its_timeline_explorer_redraws(browser, lab):
     # the last check of the chapter, passed or not
-    lines, page = run_all(browser, lab, "02_moving_bytes.ipynb", re.compile(r"(PASS|FAIL) the copy model predicts"))
-    verdicts = [line for line in lines if line.startswith(("PASS ", "FAIL "))]
+    lines, page = run_all(browser, lab, "02_moving_bytes.ipynb",
+                          re.compile(r"(PASS|FAIL)( \(timed\))? the sim keeps its link model"))
+    verdicts = [line for line in lines if line.startswith(VERDICTS)]
     assert len(verdicts) >= 11, verdicts
-    timed = [v for v in verdicts if ("PASS " + v[5:]).startswith(TIMED_CHECKS)]
-    assert len(timed) == len(TIMED_CHECKS), timed
+    timed = [v for v in verdicts if "(timed)" in v or v.split(" ", 1)[1].startswith(TIMED_CHECKS)]
+    assert len(timed) >= 3, timed
     untimed = [v for v in verdicts if v not in timed]
-    assert all(v.startswith("PASS ") for v in untimed), [v for v in untimed if not v.startswith("PASS ")]
+    assert all(v.startswith(("PASS ", "MET ")) for v in untimed), [
+        v for v in untimed if not v.startswith(("PASS ", "MET "))]
     assert page.locator('[data-mime-type="application/vnd.jupyter.error"]').count() == 0, "a cell raised"
     # untick a lane in the explorer: its figure is drawn again without that lane
     assert_redraws(page, lambda chart: chart.locator(".vega-bindings input[type=checkbox]").first.uncheck())

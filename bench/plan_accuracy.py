@@ -4,9 +4,12 @@ and whether the plan it ranks first is the fastest when run.
 A course GPT ('medium', 10M parameters, context 64) on the sim device with 64 MiB of device memory: `plan.search`
 with this machine's probed profile ranks
 every configuration; the best plan of each kind (where the optimizer and the weights live, delayed, hybrid) is run
-through `train` exactly as `python -m minioffload train --plan` runs it, for a few steps. One calibration, made in
-the same run and through the same loop: torch's AdamW on the device at micro-batches of 1, 2, 4 and 8 sequences
-gives the FLOP/s forward and backward reach and the fixed time per block per micro-batch (plan.fit_compute); everything
+through `train` exactly as `python -m minioffload train --plan` runs it, for a few steps. The compute is calibrated
+through the same loop: torch's AdamW on the device at micro-batches of 1, 2, 4 and 8 sequences gives the FLOP/s
+forward and backward reach and the fixed time per block per micro-batch (plan.fit_compute). A first calibration picks
+the plans, as a user of the planner would; then each round measures the calibration and every plan, and the
+predictions compared are the planner's with the rounds' calibration (the same configuration runs up to 20% slower in
+one minute than in the next on this shared machine: measured apart, that drift would pass for a model error). Everything
 else is the profile's (profiles.probe, its drive measured where the runs write).
 
 Headline (bench/results/plan_accuracy.json), median of 3 runs with their spread:
@@ -45,18 +48,28 @@ ROUNDS = 3  # each plan measured in 3 rounds, each a run of `steps` steps (the f
 MICRO = (1, 2, 4, 8)
 
 
-def calibrate(spec: plan.ModelSpec, steps: int, scratch: Path) -> tuple[float, float]:
-    """(FLOP/s, block_overhead_s) from `train` itself: the model with torch's AdamW on the sim device at each
-    micro-batch of MICRO; a step less its update (the median step, less the mean device AdamW) is a line in the
-    micro-batch whose slope gives the FLOP/s reached and whose intercept the per-micro-batch overhead."""
+def calibration_seconds(spec: plan.ModelSpec, steps: int, scratch: Path, name: str) -> dict[int, float]:
+    """Forward and backward of one micro-batch, per size of MICRO, from `train` itself: the model with torch's AdamW on
+    the sim device, a step less its update (the median step, less the mean device AdamW)."""
     seconds = {}
     for m in MICRO:
         config = TrainConfig(model=spec.preset, block_size=spec.seq_len, batch_size=m, precision=PRECISION,
                              offload=False, steps=steps, eval_every=10 * steps, progress=False,
-                             out_dir=str(scratch / f"calibrate{m}"))
+                             out_dir=str(scratch / f"calibrate{name}_{m}"))
         summary = train(config).summary
         seconds[m] = summary["step_median_s"] - summary["device_update_s"]  # a median: robust to a stalled step
-    return plan.fit_compute(seconds, spec)
+    return seconds
+
+
+def ranked_plans(spec: plan.ModelSpec, hw: profiles.Hardware, seconds: dict[int, float]
+                 ) -> tuple[list[plan.Plan], profiles.Hardware, plan.Limits]:
+    """The planner's ranking with the compute measured in `seconds` ({micro_batch: seconds}): the FLOP/s forward and
+    backward reach is the line's slope, the fixed time per block per micro-batch its intercept (plan.fit_compute)."""
+    flops, overhead = plan.fit_compute(seconds, spec)
+    hw = hw.replace(peak_flops_fp32=flops)  # what forward and backward reach here, used at mfu 1
+    limits = plan.Limits(batch=BATCH, device_bytes=DEVICE_MEMORY, precision=PRECISION, mfu=1.0,
+                         block_overhead_s=overhead)
+    return plan.search(spec, hw, limits), hw, limits
 
 
 def chosen_plans(plans: list[plan.Plan], count: int) -> list[plan.Plan]:
@@ -77,41 +90,50 @@ def measure(p: plan.Plan, steps: int, scratch: Path, name: str) -> dict:
     return {"step_s": summary["step_median_s"], "device_peak_bytes": summary["device_peak_bytes"]}
 
 
-def measure_rounds(picked: list[plan.Plan], steps: int, scratch: Path) -> list[dict]:
-    """Every plan measured in each of ROUNDS rounds (all plans in turn, then again): a plan's step is the median of
-    its rounds' medians, so a stall of the machine falls on one round of every plan, not on all of one plan's steps
-    (one run of 7 steps varied by 20% from run to run here); its device peak is the largest of its rounds'."""
-    rounds = [[measure(p, steps, scratch, f"{i}_{r}") for i, p in enumerate(picked)] for r in range(ROUNDS)]
+def measure_rounds(spec: plan.ModelSpec, picked: list[plan.Plan], steps: int, scratch: Path
+                   ) -> tuple[list[dict], dict[int, float]]:
+    """Every plan and every calibration size measured in each of ROUNDS rounds (the calibration, then all plans in
+    turn, then again): a plan's step is the median of its rounds' medians, and so is each calibration size's, so a
+    minute in which the shared machine runs slower falls on one round of the calibration and of every plan alike,
+    not on the compute rate the predictions rest on (one run of 7 steps varied by 20% from run to run here, and
+    the same configuration by as much from one minute to the next); a plan's device peak is the largest of its
+    rounds'."""
+    rounds, calibrations = [], []
+    for r in range(ROUNDS):
+        calibrations.append(calibration_seconds(spec, steps, scratch, str(r)))
+        rounds.append([measure(p, steps, scratch, f"{i}_{r}") for i, p in enumerate(picked)])
     out = []
     for runs in zip(*rounds, strict=True):
         failed = next((m for m in runs if m["step_s"] is None), None)
         out.append(failed or {"step_s": statistics.median(m["step_s"] for m in runs),
                               "device_peak_bytes": max(m["device_peak_bytes"] for m in runs)})
-    return out
+    return out, {m: statistics.median(c[m] for c in calibrations) for m in MICRO}
 
 
 def one_run(steps: int, count: int) -> tuple[list[dict], dict, profiles.Hardware, plan.Limits]:
+    """Plans picked with a first calibration (what a user of the planner runs), then measured beside a calibration
+    in each round; their predictions are the planner's with the rounds' calibration."""
     profiles.probe.cache_clear()  # each run measures its own figures, the drive where the runs write
     scratch = common.scratch()
-    hw = profiles.probe(nvme_dir=scratch.name)
+    probed = profiles.probe(nvme_dir=scratch.name)
     spec = plan.ModelSpec.of_preset(PRESET, BLOCK)
-    flops, overhead = calibrate(spec, steps, Path(scratch.name))
-    hw = hw.replace(peak_flops_fp32=flops)  # what forward and backward reach here, used at mfu 1
-    limits = plan.Limits(batch=BATCH, device_bytes=DEVICE_MEMORY, precision=PRECISION, mfu=1.0,
-                         block_overhead_s=overhead)
-    ranked = plan.search(spec, hw, limits)
+    ranked, _, _ = ranked_plans(spec, probed, calibration_seconds(spec, steps, Path(scratch.name), "first"))
     picked = chosen_plans(ranked, count)
     rows = []
     with scratch:
-        measured = measure_rounds(picked, steps, Path(scratch.name))
-        for p, m in zip(picked, measured, strict=True):
-            ran = m["step_s"] is not None
-            rows.append({"plan": p.describe(), "rank": ranked.index(p) + 1, "predicted_s": p.step_s,
-                         "measured_s": m["step_s"], "ratio": p.step_s / m["step_s"] if ran else None,
-                         "relative_error": abs(p.step_s - m["step_s"]) / m["step_s"] if ran else None,
-                         "bound": p.bound, "device_predicted_bytes": p.memory["device"],
-                         "device_peak_bytes": m["device_peak_bytes"], "out_of_memory": m.get("out_of_memory"),
-                         "plan_json": p.to_dict()})
+        measured, seconds = measure_rounds(spec, picked, steps, Path(scratch.name))
+    _, hw, limits = ranked_plans(spec, probed, seconds)
+    for p, m in zip(picked, measured, strict=True):
+        predicted_s = plan.step_seconds(p, hw, limits)  # the same plan, predicted with the rounds' compute
+        ran = m["step_s"] is not None
+        rows.append({"plan": p.describe(), "rank": ranked.index(p) + 1, "predicted_s": predicted_s,
+                     "first_predicted_s": p.step_s, "measured_s": m["step_s"],
+                     "ratio": predicted_s / m["step_s"] if ran else None,
+                     "relative_error": abs(predicted_s - m["step_s"]) / m["step_s"] if ran else None,
+                     "bound": p.bound, "device_predicted_bytes": p.memory["device"],
+                     "device_peak_bytes": m["device_peak_bytes"], "out_of_memory": m.get("out_of_memory"),
+                     "plan_json": p.to_dict()})
+    flops, overhead = hw.peak_flops_fp32, limits.block_overhead_s
     measured = [r for r in rows if r["measured_s"] is not None]
     fastest = min(r["measured_s"] for r in measured)
     first = next(r for r in rows if r["rank"] == 1)

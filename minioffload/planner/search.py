@@ -233,12 +233,21 @@ def _accumulation_s(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits) 
     grads = own * model.num_params * mb / hw.link_d2h
     summed = own * model.num_params * (stepmodel.ACCUMULATE_BYTES + mb) / hw.host_bandwidth
     moves = [grads, summed, ring_bytes("reduce", model.num_params * mb, limits.ranks) / hw.interconnect]
-    if c.params_on != "device":  # every block comes up again, twice (forward and backward)
-        blocks = 2 * model.n_layer * model.block_params * mb
-        moves.append(blocks / hw.link_h2d)
+    if c.params_on != "device":  # every block comes up again (forward and backward), as stepmodel fetches them
+        fetches = streamed_fetches(model.n_layer, c.prefetch)
+        compute += fetches * hw.fetch_overhead  # the streamer's hooks fetch and release each on the compute thread
+        block = model.block_params * mb
+        tensors = max(1, round(model.num_tensors * model.block_params / model.num_params))  # stepmodel's count
+        moves.append(fetches * (tensors * hw.link_latency + block / hw.link_h2d))  # a copy per tensor
         if c.params_on == "nvme":
-            moves.append(blocks / hw.nvme_read)
+            moves.append(fetches * (hw.nvme_read_overhead + block / hw.nvme_read))
     return compute + summed if hw.shared_host else max(compute, *moves)
+
+
+def streamed_fetches(n_layer: int, prefetch: int) -> int:
+    """Blocks fetched in one micro-batch's forward and backward with streamed weights: every block twice, but for
+    the last (prefetch + 1) // 2, which stay on the device from their forward to their backward (model/streaming.py)."""
+    return 2 * n_layer - (prefetch + 1) // 2
 
 
 def _own_fraction(model: ModelSpec, c: _Config, ranks: int) -> float:
@@ -319,6 +328,21 @@ def prediction(p: Plan, hw: Hardware, limits: Limits | None = None) -> stepmodel
                              p.step_config(limits.mfu))
 
 
+def step_seconds(p: Plan, hw: Hardware, limits: Limits) -> float:
+    """Plan `p`'s step with its choices kept, its activation policies included, as the planner predicts it on `hw`
+    under `limits`: `p.step_s` again with the profile and limits it was planned with; with another (a compute rate
+    measured later, as bench/plan_accuracy.py does beside its runs), what the same plan's step comes to then."""
+    value_bytes = 4 if p.precision == "fp32" else 2
+    block = BlockShape(p.model.seq_len, p.micro_batch, p.model.d_model, p.model.n_head, value_bytes,
+                       p.model.fused_attention)
+    costs = policy_costs(block, hw, limits.mfu)
+    c = _Config(p.optimizer_on, p.params_on, p.prefetch, p.delay, p.gpu_fraction is not None, p.subgroup_numel,
+                p.micro_batch)
+    return (prediction(p, hw, limits).step_s + p.model.n_layer * limits.block_overhead_s
+            + p.grad_accum * sum(costs[a].extra_s for a in p.activations)
+            + (p.grad_accum - 1) * _accumulation_s(p.model, hw, c, limits))
+
+
 def search(model: ModelSpec, hw: Hardware, limits: Limits | None = None,
            progress: Callable[[int, int], None] | None = None) -> list[Plan]:
     """Every configuration that fits, fastest first (predicted tokens/s). Raises NoPlanError, naming the bytes
@@ -362,4 +386,4 @@ def train_config(plan: Plan, **overrides):
 
 
 __all__ = ["Limits", "ModelSpec", "NoPlanError", "Plan", "POLICIES", "best_per_family", "fit_compute", "prediction",
-           "search", "table", "train_config", "why_slower"]
+           "search", "step_seconds", "streamed_fetches", "table", "train_config", "why_slower"]

@@ -56,8 +56,8 @@ def fits_with(*, logits_bytes=8, head=True, full=True, one_fewer=False, in_fligh
 # Task 9.2 --------------------------------------------------------------------------------------
 
 def tokens_with(*, accumulate=True, repeat=False, policies_once=False, no_policies=False, no_overhead=False,
-                first_overhead=True, max_on_shared=False, sum_on_gpu=False, hooks=True, fetches=True, clip=True,
-                whole_batch=False, seconds=False, one_micro_batch=False):
+                first_overhead=True, max_on_shared=False, sum_on_gpu=False, hooks=True, fetches=True, fetch_costs=True,
+                clip=True, whole_batch=False, seconds=False, one_micro_batch=False):
     def tokens_per_s(p, hw, limits):
         model, accum = p.model, p.grad_accum
         mb = 4 if p.precision == "fp32" else 2
@@ -79,9 +79,12 @@ def tokens_with(*, accumulate=True, repeat=False, policies_once=False, no_polici
             summed = model.num_params * (stepmodel.ACCUMULATE_BYTES + mb) / hw.host_bandwidth
             moves = [model.num_params * mb / hw.link_d2h, summed]
             if p.params_on != "device" and fetches:
-                moves.append(2 * model.n_layer * model.block_params * mb / hw.link_h2d)
+                count, block = plan.streamed_fetches(model.n_layer, p.prefetch), model.block_params * mb
+                tensors = max(1, round(model.num_tensors * model.block_params / model.num_params))
+                compute += count * hw.fetch_overhead * fetch_costs
+                moves.append(count * (tensors * hw.link_latency * fetch_costs + block / hw.link_h2d))
                 if p.params_on == "nvme":
-                    moves.append(2 * model.n_layer * model.block_params * mb / hw.nvme_read)
+                    moves.append(count * (hw.nvme_read_overhead * fetch_costs + block / hw.nvme_read))
             shared = (hw.shared_host and not max_on_shared) or sum_on_gpu
             more = compute + summed if shared else max(compute, *moves)
         first = overhead if first_overhead else 0
@@ -187,7 +190,8 @@ WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("9.2", tokens_with(max_on_shared=True), "on a shared host"),
     ("9.2", tokens_with(sum_on_gpu=True), "compute and moves added up on a GPU"),
     ("9.2", tokens_with(hooks=False), "the hooks' copies left out"),
-    ("9.2", tokens_with(fetches=False), "second fetch left out"),
+    ("9.2", tokens_with(fetches=False), "the streamed blocks' fetches or their fixed costs left out"),
+    ("9.2", tokens_with(fetch_costs=False), "the streamed blocks' fetches or their fixed costs left out"),
     ("9.2", tokens_with(clip=False), "no clipping in the prediction"),
     ("9.2", tokens_with(whole_batch=True), "the whole batch predicted as one micro-batch"),
     ("9.2", tokens_with(seconds=True), "that is the step's seconds"),

@@ -319,3 +319,38 @@ def test_plan_cli_ranks(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--params", "7B", "--ranks", "0"])
     assert "--ranks must be an int >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("params_on", ["host", "nvme"])
+def test_each_extra_micro_batch_pays_its_streamed_fetches_fixed_costs(params_on):
+    # the other micro-batches fetch the blocks again: each fetch costs the host fetch_overhead, and from NVMe each read
+    # nvme_read_overhead (on a GPU host, where the drive's reads are the longest move here)
+    spec = ModelSpec.of_params(1.3e9)
+    base = profiles.preset("rtx4090").replace(nvme_read=profiles.preset("rtx4090").link_h2d / 20)
+    limits = plan.Limits(batch=8, micro_batches=(1,), precision="mixed_bf16")
+    c = plan._Config("host", params_on, 1, False, False, 1 << 24, 1)
+    fetches = plan.streamed_fetches(spec.n_layer, 1)
+    assert fetches == 2 * spec.n_layer - 1  # the last block stays from its forward to its backward
+
+    def more(**costs) -> float:
+        return plan._accumulation_s(spec, base.replace(**costs), c, limits)
+
+    if params_on == "host":  # the fetch's host time lands on the compute: on a shared host, compute + sum
+        shared = dict(shared_host=True)
+        assert more(fetch_overhead=0.011, **shared) - more(fetch_overhead=0.001, **shared) == pytest.approx(
+            fetches * 0.01)
+    else:
+        assert more(nvme_read_overhead=0.011) - more(nvme_read_overhead=0.001) == pytest.approx(fetches * 0.01)
+
+
+def test_step_seconds_repredicts_a_plan_with_its_choices_kept():
+    spec, hw = ModelSpec.of_preset("small"), profiles.preset("laptop").replace(shared_host=True)
+    limits = plan.Limits(batch=8, device_bytes=24 * MiB, precision="fp32", mfu=0.5, block_overhead_s=1e-3)
+    plans = plan.search(spec, hw, limits)
+    picked = plan.best_per_family(plans) + [p for p in plans if p.grad_accum > 1][:3]
+    assert any(p.params_on != "device" for p in picked) and any(p.grad_accum > 1 for p in picked)
+    for p in picked:  # with what it was planned with: its own step
+        assert plan.step_seconds(p, hw, limits) == pytest.approx(p.step_s, rel=1e-9), p.describe()
+    # a faster compute shortens the same plan's step (its policies kept, whatever a new search would choose)
+    faster = hw.replace(peak_flops_fp32=2 * hw.peak_flops_fp32)
+    assert all(plan.step_seconds(p, faster, limits) < p.step_s for p in picked)

@@ -97,11 +97,17 @@ def _mistakes(p: Plan, hw: profiles.Hardware, limits: plan.Limits) -> list[tuple
     hooks = model.num_tensors * hw.copy_overhead
     summed = model.num_params * (stepmodel.ACCUMULATE_BYTES + mb) / hw.host_bandwidth
     moves = [model.num_params * mb / hw.link_d2h, summed]
-    fetches = []
+    fetches, fetch_host, bare_fetches = [], 0.0, []
     if p.params_on != "device":
-        fetches = [2 * model.n_layer * model.block_params * mb / hw.link_h2d]
+        count = plan.streamed_fetches(model.n_layer, p.prefetch)
+        tensors = max(1, round(model.num_tensors * model.block_params / model.num_params))
+        block = model.block_params * mb
+        fetch_host = count * hw.fetch_overhead
+        fetches = [count * (tensors * hw.link_latency + block / hw.link_h2d)]
+        bare_fetches = [count * block / hw.link_h2d]
         if p.params_on == "nvme":
-            fetches.append(2 * model.n_layer * model.block_params * mb / hw.nvme_read)
+            fetches.append(count * (hw.nvme_read_overhead + block / hw.nvme_read))
+            bare_fetches.append(count * block / hw.nvme_read)
 
     def with_more(seconds: float) -> float:
         return step - (accum - 1) * (more - seconds)
@@ -109,18 +115,22 @@ def _mistakes(p: Plan, hw: profiles.Hardware, limits: plan.Limits) -> list[tuple
     if hw.shared_host:
         out.append(("the longest of compute and moves on a shared host: there (the simulated device) the device "
                     "computes on the CPU's cores, so the gradients' host sum runs after the compute, not beside it: "
-                    "compute + sum", with_more(max(compute + hooks, *moves, *fetches))))
+                    "compute + sum", with_more(max(compute + fetch_host + hooks, *moves, *fetches))))
         out.append(("the hooks' copies left out: each extra micro-batch issues every gradient's copy again, "
-                    "num_tensors x copy_overhead of host time", with_more(compute + summed)))
+                    "num_tensors x copy_overhead of host time", with_more(compute + fetch_host + summed)))
     else:
         out.append(("compute and moves added up on a GPU: its copies and the host's sum run beside its compute, so "
-                    "an extra micro-batch takes the longest of them", with_more(compute + hooks + summed)))
+                    "an extra micro-batch takes the longest of them",
+                    with_more(compute + fetch_host + hooks + summed)))
         out.append(("the hooks' copies left out: each extra micro-batch issues every gradient's copy again, "
-                    "num_tensors x copy_overhead of host time", with_more(max(compute, *moves, *fetches))))
+                    "num_tensors x copy_overhead of host time", with_more(max(compute + fetch_host, *moves, *fetches))))
         if fetches:
-            out.append(("the streamed blocks' second fetch left out: each extra micro-batch brings every block up "
-                        "twice more (forward and backward), over the link and, from NVMe, off the drive",
-                        with_more(max(compute + hooks, *moves))))
+            what = ("the streamed blocks' fetches or their fixed costs left out: each extra micro-batch brings the "
+                    "blocks up again (forward and backward), over the link and, from NVMe, off the drive; each fetch "
+                    "costs the host fetch_overhead, each of its copies link_latency, each NVMe read "
+                    "nvme_read_overhead, besides its bytes")
+            out.append((what, with_more(max(compute + hooks, *moves))))
+            out.append((what, with_more(max(compute + hooks, *moves, *bare_fetches))))
     return out
 
 

@@ -66,8 +66,6 @@ updates are refused with a shard (not built for it).
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from .. import layout
@@ -140,9 +138,8 @@ class OffloadAdam(torch.optim.Optimizer):
             buffers.share_homes(self.packing)
         self.speculative = (SpeculativeUpdate(self.packing, self.loss_scale, self.grads, self.weights, options)
                             if options.speculative else None)
-        hook = _weak_hook(self)
         for slot in self.packing.slots.values():
-            slot.param.register_post_accumulate_grad_hook(hook)
+            slot.param.register_post_accumulate_grad_hook(self._on_grad)
 
     @property
     def subgroups(self) -> list[Subgroup]:
@@ -401,17 +398,3 @@ def _device_optimizer(param_groups: list[dict], kept: list) -> tuple[torch.optim
         return None, []
     groups = [{"params": [p for p in g["params"] if p in kept]} for g in outer]
     return torch.optim.AdamW(groups, foreach=False), outer
-
-
-def _weak_hook(opt: OffloadAdam):
-    """The gradient hook, holding the optimizer weakly. A parameter keeps its hooks on autograd's C++ side, where
-    Python's garbage collector cannot see the cycle parameter -> hook -> optimizer -> parameter: a hook holding the
-    optimizer kept it, and every host buffer it allocated, alive as long as the model (train() in a loop grew by
-    the whole optimizer state each run). Once the optimizer is gone the hook does nothing."""
-    ref = weakref.ref(opt)
-
-    def on_grad(param: torch.nn.Parameter) -> None:
-        if (live := ref()) is not None:
-            live._on_grad(param)
-
-    return on_grad

@@ -61,15 +61,14 @@ def calibration_seconds(spec: plan.ModelSpec, steps: int, scratch: Path, name: s
     return seconds
 
 
-def ranked_plans(spec: plan.ModelSpec, hw: profiles.Hardware, seconds: dict[int, float]
-                 ) -> tuple[list[plan.Plan], profiles.Hardware, plan.Limits]:
-    """The planner's ranking with the compute measured in `seconds` ({micro_batch: seconds}): the FLOP/s forward and
+def fitted(spec: plan.ModelSpec, hw: profiles.Hardware, seconds: dict[int, float]
+           ) -> tuple[profiles.Hardware, plan.Limits]:
+    """The profile and limits with the compute measured in `seconds` ({micro_batch: seconds}): the FLOP/s forward and
     backward reach is the line's slope, the fixed time per block per micro-batch its intercept (plan.fit_compute)."""
     flops, overhead = plan.fit_compute(seconds, spec)
     hw = hw.replace(peak_flops_fp32=flops)  # what forward and backward reach here, used at mfu 1
-    limits = plan.Limits(batch=BATCH, device_bytes=DEVICE_MEMORY, precision=PRECISION, mfu=1.0,
-                         block_overhead_s=overhead)
-    return plan.search(spec, hw, limits), hw, limits
+    return hw, plan.Limits(batch=BATCH, device_bytes=DEVICE_MEMORY, precision=PRECISION, mfu=1.0,
+                           block_overhead_s=overhead)
 
 
 def chosen_plans(plans: list[plan.Plan], count: int) -> list[plan.Plan]:
@@ -117,12 +116,12 @@ def one_run(steps: int, count: int) -> tuple[list[dict], dict, profiles.Hardware
     scratch = common.scratch()
     probed = profiles.probe(nvme_dir=scratch.name)
     spec = plan.ModelSpec.of_preset(PRESET, BLOCK)
-    ranked, _, _ = ranked_plans(spec, probed, calibration_seconds(spec, steps, Path(scratch.name), "first"))
+    ranked = plan.search(spec, *fitted(spec, probed, calibration_seconds(spec, steps, Path(scratch.name), "first")))
     picked = chosen_plans(ranked, count)
     rows = []
     with scratch:
         measured, seconds = measure_rounds(spec, picked, steps, Path(scratch.name))
-    _, hw, limits = ranked_plans(spec, probed, seconds)
+    hw, limits = fitted(spec, probed, seconds)
     for p, m in zip(picked, measured, strict=True):
         predicted_s = plan.step_seconds(p, hw, limits)  # the same plan, predicted with the rounds' compute
         ran = m["step_s"] is not None

@@ -237,8 +237,7 @@ def _accumulation_s(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits) 
         fetches = streamed_fetches(model.n_layer, c.prefetch)
         compute += fetches * hw.fetch_overhead  # the streamer's hooks fetch and release each on the compute thread
         block = model.block_params * mb
-        tensors = max(1, round(model.num_tensors * model.block_params / model.num_params))  # stepmodel's count
-        moves.append(fetches * (tensors * hw.link_latency + block / hw.link_h2d))  # a copy per tensor
+        moves.append(fetches * (model.block_tensors * hw.link_latency + block / hw.link_h2d))  # a copy per tensor
         if c.params_on == "nvme":
             moves.append(fetches * (hw.nvme_read_overhead + block / hw.nvme_read))
     return compute + summed if hw.shared_host else max(compute, *moves)

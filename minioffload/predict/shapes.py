@@ -67,6 +67,11 @@ class ModelSpec:
         return self.n_layer * self.block_params + self.resident_params
 
     @property
+    def block_tensors(self) -> int:
+        """Tensors per block as the step model counts them: the blocks' share of num_tensors, by parameters."""
+        return max(1, round(self.num_tensors * self.block_params / self.num_params))
+
+    @property
     def num_tensors(self) -> int:
         return len(tensor_numels(self))  # per block: 4 Linear (weight, bias) and 2 LayerNorm (weight, bias)
 

@@ -416,4 +416,3 @@ def test_a_gradient_an_earlier_hook_takes_away_leaves_its_parameter_as_adamw_doe
     ours = run(lambda model, dev: OffloadAdam(model.parameters(), dev, subgroup_numel=300, **HYPER))
     torchs = run(lambda model, dev: torch.optim.AdamW(model.parameters(), **HYPER))
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ours, torchs, strict=True))
-

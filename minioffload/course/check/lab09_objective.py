@@ -100,10 +100,9 @@ def _mistakes(p: Plan, hw: profiles.Hardware, limits: plan.Limits) -> list[tuple
     fetches, fetch_host, bare_fetches = [], 0.0, []
     if p.params_on != "device":
         count = plan.streamed_fetches(model.n_layer, p.prefetch)
-        copies = max(1, round(model.num_tensors * model.block_params / model.num_params))  # stepmodel's per block
         block = model.block_params * mb
         fetch_host = count * hw.fetch_overhead
-        fetches = [count * (copies * hw.link_latency + block / hw.link_h2d)]
+        fetches = [count * (model.block_tensors * hw.link_latency + block / hw.link_h2d)]
         bare_fetches = [count * block / hw.link_h2d]
         if p.params_on == "nvme":
             fetches.append(count * (hw.nvme_read_overhead + block / hw.nvme_read))

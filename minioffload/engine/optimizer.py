@@ -113,6 +113,7 @@ class OffloadAdam(torch.optim.Optimizer):
             raise ValueError("every parameter must be on the device before OffloadAdam takes it: call "
                              "dev.place(model) first (or stream it: ParamStreamer)")
         self.dev, self.options, self.swapper, self.streamer, self.shard = dev, options, swapper, streamer, shard
+        self._closed = False
         self.last_grad_norm: float | None = None  # before clipping, unscaled; None when clipping is off
         self.loss_scale = LossScale.of(options.loss_scale, options.growth_interval)
         self.updates = 0  # steps not skipped
@@ -138,8 +139,8 @@ class OffloadAdam(torch.optim.Optimizer):
             buffers.share_homes(self.packing)
         self.speculative = (SpeculativeUpdate(self.packing, self.loss_scale, self.grads, self.weights, options)
                             if options.speculative else None)
-        for slot in self.packing.slots.values():
-            slot.param.register_post_accumulate_grad_hook(self._on_grad)
+        self._grad_hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad)
+                            for slot in self.packing.slots.values()]
 
     @property
     def subgroups(self) -> list[Subgroup]:
@@ -188,6 +189,9 @@ class OffloadAdam(torch.optim.Optimizer):
     # step ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
+        if self._closed:
+            raise RuntimeError("OffloadAdam.step() after close(): the parameters no longer send it their gradients; "
+                               "make a new optimizer (load_state_dict carries the state over)")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -339,6 +343,22 @@ class OffloadAdam(torch.optim.Optimizer):
             self.speculative.join()
         if self.device_path is not None:
             self.device_path.wait()
+
+    def close(self) -> None:
+        """Wait for all update work, then take the gradient hooks off the parameters: the optimizer is done.
+
+        The hooks hold the optimizer, and they live on autograd's side of the parameters, where Python's garbage
+        collector cannot see the cycle parameter -> hook -> optimizer -> parameter: an optimizer never closed lives,
+        with every host buffer it allocated, as long as its model does. Closing first waits, so that no copy still
+        reads or writes the optimizer's memory once it is freed."""
+        if self._closed:
+            return
+        self.quiesce()
+        self.dev.synchronize()
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks.clear()
+        self._closed = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in [*self.kept, *self.packing.slots]:

@@ -412,6 +412,8 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard=None)
         checkpoint.save(config.checkpoint_dir, model, opt,
                         extra={"step": config.steps, "data_rng": bytes(data_gen.get_state().tolist())})
     summary = summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_per_step, streamer, shard)
+    if isinstance(opt, OffloadAdam):
+        opt.close()  # its hooks off the parameters: once the run's references go, so do its buffers
     for disk in (swapper, weights_home):
         if disk is not None:
             disk.close()  # every queued write lands first

@@ -416,3 +416,26 @@ def test_a_gradient_an_earlier_hook_takes_away_leaves_its_parameter_as_adamw_doe
     ours = run(lambda model, dev: OffloadAdam(model.parameters(), dev, subgroup_numel=300, **HYPER))
     torchs = run(lambda model, dev: torch.optim.AdamW(model.parameters(), **HYPER))
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ours, torchs, strict=True))
+
+
+def test_a_closed_optimizer_is_freed_once_dropped_and_refuses_to_step():
+    """The gradient hooks hold the optimizer where the garbage collector cannot see the cycle: without close() a
+    dropped optimizer lives on with its model; after it, it is freed (and stepping it again is refused)."""
+    import gc
+    import weakref
+
+    def dropped(close: bool):
+        with device("sim") as dev:
+            model, opt = fresh(dev)
+            train(model, opt, 2)
+            if close:
+                opt.close()
+                with pytest.raises(RuntimeError, match="after close"):
+                    opt.step()
+                opt.close()  # twice is harmless
+            return weakref.ref(opt), model
+
+    for close in (False, True):
+        ref, model = dropped(close)
+        gc.collect()
+        assert (ref() is None) == close, f"close={close}: the optimizer {'lives' if ref() else 'was freed'}"

@@ -203,3 +203,18 @@ def test_a_resumed_run_with_kept_parameters_continues_exactly(lazy, params_on, t
                       checkpoint_every=2 if lazy else None, out_dir=str(tmp_path / "first")))
     resumed = train(TrainConfig(**base, resume=str(tmp_path / "ckpt"), out_dir=str(tmp_path / "resumed")))
     assert resumed.losses == straight.losses[2:]
+
+
+def test_a_run_leaves_no_optimizer_behind(tmp_path):
+    """train() in a loop (a benchmark, a sweep) must not keep each run's optimizer and its buffers alive."""
+    import gc
+
+    from minioffload.engine.optimizer import OffloadAdam
+
+    def alive() -> int:
+        gc.collect()
+        return sum(type(o) is OffloadAdam for o in gc.get_objects())
+
+    before = alive()
+    train(TrainConfig(steps=2, out_dir=str(tmp_path), **SHORT))
+    assert alive() == before

@@ -2,7 +2,8 @@
 
 nbval does not compare those cells' outputs (they are tagged `nbval-ignore-output`, since their text is long), so a
 change to the runtime would leave the book printing yesterday's code. This script runs, per notebook, the cell that
-imports `inspect` and then each cell that calls `inspect.getsource`, and compares what they print with the stored
+imports `inspect` and then each cell that calls `inspect.getsource` (or `show_interface`, which prints a function's
+interface), and compares what they print with the stored
 output: `--check` lists the stale cells and exits 1; without it, their stored outputs are replaced (nothing else in
 the notebook changes, so every measured figure stays as it was measured).
 
@@ -30,7 +31,7 @@ def stale_cells(path: Path, refresh: bool = False) -> list[str]:
     """The cells of `path` whose stored source differs from what they print today (replaced when `refresh`)."""
     nb = json.loads(path.read_text())
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
-    shown = [c for c in code if "inspect.getsource" in "".join(c["source"])]
+    shown = [c for c in code if any(call in "".join(c["source"]) for call in ("inspect.getsource", "show_interface("))]
     if not shown:
         return []
     setup = next(c for c in code if "import inspect" in "".join(c["source"]))
@@ -38,16 +39,14 @@ def stale_cells(path: Path, refresh: bool = False) -> list[str]:
     here = os.getcwd()
     os.chdir(path.parent)  # as the notebook runs
     try:
-        lines = [line for line in "".join(setup["source"]).splitlines() if not line.startswith("%")]
-        with contextlib.redirect_stdout(io.StringIO()):
-            exec(compile("\n".join(lines), f"{path.name}: setup", "exec"), namespace)
         stale = []
-        for cell in shown:
-            if cell is setup:
-                continue
+        for cell in [setup] + [c for c in shown if c is not setup]:
+            lines = [line for line in "".join(cell["source"]).splitlines() if not line.startswith("%")]
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
-                exec(compile("".join(cell["source"]), f"{path.name}: {cell.get('id')}", "exec"), namespace)
+                exec(compile("\n".join(lines), f"{path.name}: {cell.get('id')}", "exec"), namespace)
+            if cell not in shown:  # the setup cell only imports
+                continue
             if printed.getvalue() != _stored(cell):
                 stale.append(f"{path}: cell {cell.get('id')}: {''.join(cell['source']).splitlines()[0]}")
                 cell["outputs"] = [{"name": "stdout", "output_type": "stream",

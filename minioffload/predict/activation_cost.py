@@ -133,10 +133,13 @@ def policy_costs(block: BlockShape, hw: Hardware, mfu: float = 0.4) -> dict[str,
     }
 
 
-def best_policy(block: BlockShape, hw: Hardware, device_budget: float, mfu: float = 0.4) -> PolicyCost | None:
+def best_policy(block: BlockShape | None, hw: Hardware | None, device_budget: float, mfu: float = 0.4,
+                costs: dict[str, PolicyCost] | None = None) -> PolicyCost | None:
     """The policy that adds the least time among those that hold at most `device_budget` bytes (ties: less held);
-    None when none fits."""
-    fits = [c for c in policy_costs(block, hw, mfu).values() if c.device_bytes <= device_budget]
+    None when none fits. `costs`: the policies priced already (policy_costs' result; block and hw are then unused)."""
+    if costs is None:
+        costs = policy_costs(block, hw, mfu)
+    fits = [c for c in costs.values() if c.device_bytes <= device_budget]
     return min(fits, key=lambda c: (c.extra_s, c.device_bytes)) if fits else None
 
 

@@ -207,7 +207,7 @@ WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("9.3", search_with(policies_only=True), "the policies' time alone"),
     ("9.3", search_with(no_in_flight=True), "in flight: each option in use"),
     ("9.3", search_with(per_block=True), "count blocks per policy instead"),
-    ("9.3", uses_brute_force, "use solve() (the MILP)"),
+    ("9.3", uses_brute_force, "called the runtime's `planner.milp.brute_force`"),
 ]
 
 test_reference_passes = reference_passes(REFERENCE)

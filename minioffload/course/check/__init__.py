@@ -39,7 +39,20 @@ from . import (  # noqa: F401
     lab11_latest,
     lab11_paths,
 )
-from .grading import GRADERS, MAX_FRAMES, Verdict, expect, grade, grader, learner_traceback, sim_device, target, task
+from .grading import (
+    GRADERS,
+    MAX_FRAMES,
+    NotPassed,
+    Verdict,
+    expect,
+    grade,
+    graded_task,
+    grader,
+    learner_traceback,
+    sim_device,
+    target,
+    task,
+)
 
-__all__ = ["GRADERS", "MAX_FRAMES", "Verdict", "expect", "grade", "grader", "learner_traceback", "sim_device", "target",
-           "task"]
+__all__ = ["GRADERS", "MAX_FRAMES", "NotPassed", "Verdict", "expect", "grade", "graded_task", "grader",
+           "learner_traceback", "sim_device", "target", "task"]

@@ -14,15 +14,30 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from .refuse import CalledTheRuntime, refusing
+
 GRADERS: dict[str, Callable[[Callable], str]] = {}
+REBUILDS: dict[str, tuple[str, ...]] = {}  # {task id: the runtime functions the task rebuilds, refused while graded}
+NOTHING_TO_REFUSE: dict[str, str] = {}  # {task id: why the runtime holds no function this task rebuilds}
 
 
-def grader(task_id: str) -> Callable:
-    """Register `fn(learner_fn) -> detail` as the grader of `task_id`; it raises AssertionError to fail."""
+def grader(task_id: str, rebuilds: tuple[str, ...] = (), nothing_to_refuse: str = "") -> Callable:
+    """Register `fn(learner_fn) -> detail` as the grader of `task_id`; it raises AssertionError to fail.
+
+    `rebuilds`: the runtime functions ('minioffload.layout.shard_owners') the task asks the learner to write again;
+    while the grader runs, the learner's code may not call them (refuse.py). A task without one says why in
+    `nothing_to_refuse` (it is a variant the runtime does not contain, or a figure no function computes)."""
+    if bool(rebuilds) == bool(nothing_to_refuse):
+        raise ValueError(f"Task {task_id}: name the runtime functions it rebuilds, or say why there are none")
+
     def register(fn: Callable[[Callable], str]) -> Callable[[Callable], str]:
         if task_id in GRADERS:
             raise ValueError(f"Task {task_id} has a grader already")
         GRADERS[task_id] = fn
+        if rebuilds:
+            REBUILDS[task_id] = tuple(rebuilds)
+        else:
+            NOTHING_TO_REFUSE[task_id] = nothing_to_refuse
         return fn
     return register
 
@@ -105,22 +120,41 @@ def _crashed(task_id: str, err: Exception) -> Verdict:
                    "".join(traceback.format_exception(err)).rstrip("\n"))
 
 
-def grade(task_id: str, fn: Callable) -> Verdict:
-    """Run Task `task_id`'s grader on `fn` and return its verdict (never raises for a wrong answer)."""
+def grade(task_id: str, fn: Callable, refuse: bool = True) -> Verdict:
+    """Run Task `task_id`'s grader on `fn` and return its verdict (never raises for a wrong answer).
+
+    `refuse=False` lets `fn` call the runtime functions the task rebuilds: for the graders' own tests, whose right
+    answers and planted mistakes are built on the runtime. A learner's check cell (`task`) always refuses."""
     if task_id not in GRADERS:
         raise ValueError(f"no grader for Task {task_id!r}; known tasks: {', '.join(sorted(GRADERS))}")
     if not callable(fn):
         return Verdict(task_id, "FAIL", f"expected your function, got {type(fn).__name__}")
+    refused: list[str] = []
     try:
-        return Verdict(task_id, "PASS", GRADERS[task_id](fn))
+        with refusing(REBUILDS.get(task_id, ()) if refuse else (), fn, grade.__code__, _is_learners, refused):
+            detail = GRADERS[task_id](fn)
+        if refused:  # raised in the learner's code and swallowed there
+            raise CalledTheRuntime(refused[0])
+        return Verdict(task_id, "PASS", detail)
     except NotImplementedError:
         return Verdict(task_id, "TODO", "not done yet: replace `raise NotImplementedError` with your code")
+    except CalledTheRuntime as err:
+        return _delegated(task_id, err.name)
     except AssertionError as err:
+        if refused:  # the refusal turned into another failure on its way out
+            return _delegated(task_id, refused[0])
         if _raised_by_learner(err):  # an assert of the learner's own, not a grader's verdict
             return _crashed(task_id, err)
         return Verdict(task_id, "FAIL", str(err) or "a check failed")
     except Exception as err:  # a learner's bug is a verdict, with the learner's frames only
+        if refused:
+            return _delegated(task_id, refused[0])
         return _crashed(task_id, err)
+
+
+def _delegated(task_id: str, name: str) -> Verdict:
+    return Verdict(task_id, "FAIL", f"your function called the runtime's `{name}`, which this task asks you to write "
+                   "yourself: compute it in your own code (the runtime's version is yours to read after the lab)")
 
 
 @contextmanager
@@ -142,6 +176,20 @@ def task(task_id: str, fn: Callable) -> None:
     """Grade and print one line (and the learner's frames when their code raised). Returns None so a notebook
     cell shows only that."""
     print(grade(task_id, fn))
+
+
+class NotPassed(AssertionError):
+    """A task's verdict was FAIL or TODO (raised by `graded_task`, for autograders that score a cell by whether it
+    raises)."""
+
+
+def graded_task(task_id: str, fn: Callable) -> None:
+    """`task`, for nbgrader's autograde (and any grader that scores a cell by whether it raises): the same line is
+    printed, then NotPassed is raised unless the verdict is PASS, so the cell scores nothing."""
+    verdict = grade(task_id, fn)
+    print(verdict)
+    if not verdict.passed:
+        raise NotPassed(f"Task {task_id}: {verdict.status}")
 
 
 def _timed(timed: bool) -> str:

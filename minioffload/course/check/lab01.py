@@ -45,7 +45,7 @@ def _per_param_mistakes(precision: str, optimizer: str) -> dict[str, float]:
     }
 
 
-@grader("1.1")
+@grader("1.1", rebuilds=("minioffload.predict.memory.footprint",))
 def bytes_per_param(fn: Callable) -> str:
     """fn(precision, optimizer) -> bytes per parameter with everything on the device."""
     pairs = [(p, o) for p in memory.PRECISIONS for o in memory.OPTIMIZERS]  # fp32 first
@@ -83,7 +83,10 @@ def _activations(s: int, b: int, h: int, a: int, layers: int, flash: bool) -> fl
     return layers * memory.activation_bytes_per_layer(s, b, h, a, flash_attention=flash)
 
 
-@grader("1.2")
+@grader("1.2", rebuilds=(
+    "minioffload.predict.memory.activation_bytes_per_layer",
+    "minioffload.predict.memory.activation_bytes",
+))
 def activation_memory(fn: Callable) -> str:
     """fn(seq_len, batch_size, hidden, num_heads, num_layers, flash_attention) -> (value, unit), all layers."""
     for case in ACTIVATION_CASES:
@@ -111,7 +114,7 @@ def activation_memory(fn: Callable) -> str:
 # Task 1.3: the largest model a GPU holds
 
 
-@grader("1.3")
+@grader("1.3", rebuilds=("minioffload.predict.memory.max_params_that_fit",))
 def largest_model(fn: Callable) -> str:
     """fn(hw, placement) -> (value, unit): parameters of the largest model whose mixed-bf16 Adam state on the
     device fits hw.device_memory (activations ignored), placement "device" or "optimizer_cpu"."""
@@ -162,7 +165,7 @@ def _hosts(hw: profiles.Hardware) -> list[profiles.Hardware]:
     return [hw, *(dataclasses.replace(hw, host_memory=gib * memory.GiB) for gib in (64, 192, 1024))]
 
 
-@grader("1.4")
+@grader("1.4", rebuilds=("minioffload.predict.memory.first_placement_that_fits",))
 def first_placement(fn: Callable) -> str:
     """fn(num_params, hw) -> the least offloaded placement whose mixed-bf16 Adam state fits hw's device and host
     memory (the host bytes the engine allocates; NVMe unbounded), or None."""
@@ -193,7 +196,9 @@ def first_placement(fn: Callable) -> str:
 # Task 1.5: the update's time at the speed of memory
 
 
-@grader("1.5")
+@grader("1.5", nothing_to_refuse=(
+    "a figure from the hardware table and a count of bytes; no runtime function computes it"
+))
 def update_time(fn: Callable) -> str:
     """fn(num_params, hw) -> (value, unit): the least time one fp32 AdamW update of num_params takes on hw's
     host, moving only the bytes it must at hw.host_bandwidth."""

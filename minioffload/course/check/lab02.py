@@ -160,7 +160,7 @@ def _run_pipeline(fn: Callable, kernel: Callable, kernel_seconds: float | None, 
     return dev.trace, peak
 
 
-@grader("2.2")
+@grader("2.2", rebuilds=("minioffload.devices.pipeline.overlapped", "minioffload.devices.pipeline.single_buffer"))
 def double_buffered(fn: Callable) -> str:
     """fn(dev, chunks_in, chunks_out, kernel, kernel_seconds): overlapped(..., buffers=2), by hand."""
     trials = 0
@@ -227,7 +227,9 @@ def _overlapped_with(waits: frozenset[str], buffers: int, num_chunks: int) -> Ca
     return run
 
 
-@grader("2.3")
+@grader("2.3", nothing_to_refuse=(
+    "the runtime's pipeline uses every wait; no runtime function says which ones a schedule needs"
+))
 def needed_waits(fn: Callable) -> str:
     """fn(num_chunks, buffers) -> the subset of pipeline.WAITS the overlapped pipeline needs."""
     cases, fewest = 0, len(pipeline.WAITS)
@@ -304,7 +306,7 @@ def _random_spans(rng: random.Random) -> list[tuple[str, float, float]]:
     return spans
 
 
-@grader("2.4")
+@grader("2.4", rebuilds=("minioffload.trace.Trace.overlap_fraction", "minioffload.trace.union_length"))
 def overlap_fraction(fn: Callable) -> str:
     """fn(spans) with spans a list of (lane, start, end) -> the overlap fraction, as Trace computes it."""
     for spans, what in HAND_MADE:
@@ -361,7 +363,7 @@ STAGE_TIMES = ((1.0, 1.0, 1.0), (2.0, 1.0, 1.0), (1.0, 3.0, 1.0), (1.0, 1.0, 2.0
                (3.0, 0.5, 3.0))
 
 
-@grader("2.5")
+@grader("2.5", rebuilds=("minioffload.predict.schedule.schedule",))
 def pipeline_makespan(fn: Callable) -> str:
     """fn(num_chunks, buffers, h2d, compute, d2h) -> seconds until the last D2H ends."""
     cases = 0

@@ -32,7 +32,7 @@ def _acquire_in_thread(pool, block: bool) -> tuple[threading.Thread, dict]:
     return thread, box
 
 
-@grader("2.1")
+@grader("2.1", rebuilds=("minioffload.pinned.PinnedPool.acquire", "minioffload.pinned.PinnedBuffer.release"))
 def slot_pool(cls: Callable) -> str:
     """cls(slots) with acquire(block=False) -> int and release(index); thread-safe."""
     pool = cls(POOL_SLOTS)

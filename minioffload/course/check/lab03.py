@@ -47,7 +47,7 @@ def torch_constants(step: int, lr: float, beta1: float, beta2: float) -> tuple[f
     return step_size, product / step_size
 
 
-@grader("3.1")
+@grader("3.1", rebuilds=("minioffload.kernels.adam._constants",))
 def step_constants(fn: Callable) -> str:
     """fn(step, lr, beta1, beta2) -> (step_size, bias_correction2_sqrt) in float64."""
     for lr, beta1, beta2 in STEP_HYPER:
@@ -124,7 +124,7 @@ def _ref_steps(p0: torch.Tensor, grads: list[torch.Tensor], h: dict) -> list[tup
     return states
 
 
-@grader("3.2")
+@grader("3.2", rebuilds=("minioffload.kernels.adam._update",))
 def adam_element(fn: Callable) -> str:
     """fn(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay) -> (p, m, v), one parameter."""
     gen = torch.Generator().manual_seed(ELEMENT_SEED)
@@ -205,7 +205,7 @@ def _as_float(bits: int) -> float:
     return float(np.array([bits], np.uint32).view(np.float32)[0])
 
 
-@grader("3.3")
+@grader("3.3", rebuilds=("minioffload.kernels.lowp.f32_to_bf16",))
 def to_bf16_bits(fn: Callable) -> str:
     """fn(fp32 bits as an int) -> bf16 bits as an int, round to nearest even; any NaN for a NaN."""
     rng = np.random.default_rng(BF16_SEED)
@@ -356,7 +356,7 @@ def _breakdown(passes) -> str:
     return "; ".join(f"{label}: read {side(reads)}, write {side(writes)}" for label, reads, writes in passes)
 
 
-@grader("3.4")
+@grader("3.4", nothing_to_refuse="a count of bytes per version of the update; no runtime function computes it")
 def bytes_moved(fn: Callable) -> str:
     """fn(version) -> bytes read plus bytes written per parameter by one Adam step of that version."""
     versions = {version: version_passes(version) for version in (*MEASURED_VERSIONS, "adam_inplace")}

@@ -181,7 +181,12 @@ def roofline_fraction(fn: Callable, num_params: int = TIME_N, rounds: int = TIME
     return statistics.median(roofline() / learner(step) for step in range(2, rounds + 2))
 
 
-@grader("3.5")
+@grader("3.5", rebuilds=(
+    "minioffload.kernels.adam.adam_fused",
+    "minioffload.kernels.adam.adam_fused_into",
+    "minioffload.kernels.adam.adam_mixed",
+    "minioffload.kernels.adam._fused_fp32",
+))
 def adamw_fused(fn: Callable) -> str:
     """fn(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay) -> None, in place."""
     _agreement(fn)

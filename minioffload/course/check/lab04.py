@@ -225,7 +225,10 @@ def _hook_trial(fn: Callable, seed: int) -> tuple[int, int]:
     return len(params), param_bytes
 
 
-@grader("4.1")
+@grader("4.1", rebuilds=(
+    "minioffload.engine.optimizer.OffloadAdam._on_grad",
+    "minioffload.engine.gradients.GradientPath.offload",
+))
 def grad_hook(fn: Callable) -> str:
     """fn(dev, stream, staging, pending) -> hook(param) for register_post_accumulate_grad_hook."""
     for seed in HOOK_SEEDS:
@@ -377,7 +380,10 @@ def _update_run(fn: Callable, layout: list[list[int]], lr: float, weight_decay: 
     return remaining_at_first_upload
 
 
-@grader("4.2")
+@grader("4.2", rebuilds=(
+    "minioffload.engine.optimizer.OffloadAdam._update",
+    "minioffload.engine.weights.WeightUploads.upload",
+))
 def update_and_upload(fn: Callable) -> str:
     """fn(dev, h2d, subgroups, step, lr, weight_decay) -> the event recorded on h2d after the last upload."""
     remaining = []

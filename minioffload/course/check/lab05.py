@@ -74,7 +74,7 @@ def _subgroups_hint(count: int, setting: dict, resident: list, streamed: list) -
     return "with neither setting, nothing goes to the device: return ([], [])"
 
 
-@grader("5.1")
+@grader("5.1", rebuilds=("minioffload.layout.device_subgroups",))
 def device_subgroups(fn: Callable) -> str:
     """fn(count, gpu_fraction=None, stride=None) -> (resident, streamed) lists of subgroup indices."""
     cases = [(count, {}) for count in COUNTS]
@@ -131,7 +131,7 @@ def _num(x) -> str:
     return f"{x:.6g}" if isinstance(x, (int, float)) else f"{x!r:.40}"
 
 
-@grader("5.2")
+@grader("5.2", nothing_to_refuse="it composes the runtime's hybrid_split functions, as the task asks")
 def split_model(fn: Callable) -> str:
     """fn(cpu_rate, bandwidth) -> {"device_rate", "fraction", "speedup"}: device_rate_from_link, then best_split."""
     cases = _split_cases()
@@ -307,7 +307,7 @@ def _streamed_run(fn: Callable, what: str, **options):
         return dev.trace, dev.adam_rate
 
 
-@grader("5.3")
+@grader("5.3", rebuilds=("minioffload.engine.optimizer.OffloadAdam._update_on_device",))
 def update_streamed(fn: Callable) -> str:
     """fn(dev, subgroups, scratch, streams, update): each subgroup in, updated, out, through two scratch sets."""
     trials = 0
@@ -371,7 +371,7 @@ def _closest_strides(fraction: float) -> list[int]:
     return [k for k, d in distance.items() if d <= best + 1e-12]
 
 
-@grader("5.4")
+@grader("5.4", nothing_to_refuse="it composes the runtime's hybrid_split functions, as the task asks")
 def best_stride(fn: Callable) -> str:
     """fn(cpu_rate, bandwidth=GEN5) -> the stride whose share of subgroups is closest to the best fraction."""
     cases = [(rate, None) for rate in CPU_RATES] + [(rate, b) for rate in CPU_RATES for b in BANDWIDTHS]

@@ -224,7 +224,12 @@ def _aligned(nbytes: int, fill: int | bytes) -> np.ndarray:
     return array
 
 
-@grader("6.1")
+@grader("6.1", rebuilds=(
+    "minioffload.nvme.swapper.Swapper._write_range",
+    "minioffload.nvme.swapper.Swapper._read_range",
+    "minioffload.nvme.swapper.Swapper.write",
+    "minioffload.nvme.swapper.Swapper.read",
+))
 def block_io(fn: Callable) -> str:
     """fn(write, fd, buffer, nbytes, block_size): write_blocks(fd, buffer, block_size) if write, else
     read_blocks(fd, buffer, nbytes, block_size); buffer is a memoryview of nbytes aligned bytes."""
@@ -290,7 +295,7 @@ def _parts_by_tier(precision: str) -> str:
                                     or "nothing") for tier in TIERS)
 
 
-@grader("6.4")
+@grader("6.4", nothing_to_refuse="it composes memory.footprint, as the task asks")
 def bytes_per_tier(fn: Callable) -> str:
     """fn(num_params, precision="mixed_bf16") -> {"device": bytes, "host": bytes, "nvme": bytes} with Adam."""
     cases = [(n, None) for n in MODELS.values()] + [(n, p) for n in (1.5e9, 13e9, 175e9) for p in PRECISIONS]

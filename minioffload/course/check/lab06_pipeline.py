@@ -201,7 +201,7 @@ def _overlap_problem(drive: _FakeDrive, n: int) -> str | None:
             "for read(k) alone, then update, while read(k + 1) goes on")
 
 
-@grader("6.3")
+@grader("6.3", rebuilds=("minioffload.engine.nvme_tier.NvmeTier.visit", "minioffload.engine.nvme_tier.NvmeTier._steps"))
 def pipelined_update(fn: Callable) -> str:
     """fn(n, read, update, write, buffers): each subgroup read, updated and written, the update hidden behind the
     drive, whose reads and writes share one queue."""

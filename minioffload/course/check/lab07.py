@@ -111,7 +111,7 @@ def _plan_hint(policies: list[str], got: list, want: list[tuple[int, int]]) -> s
     return "only offloaded blocks come back, each once"
 
 
-@grader("7.2")
+@grader("7.2", rebuilds=("minioffload.model.activations.Activations._fetch",))
 def fetch_order(fn: Callable) -> str:
     """fn(policies) -> [(during, fetched), ...]: the runtime's fetches of offloaded blocks, in backward order."""
     plans = _plans()
@@ -148,9 +148,8 @@ def _tied(costs: dict) -> dict:
 
 
 def _fastest(costs: dict, budget: float) -> str | None:
-    """best_policy's rule on given costs: the least time among those that fit, ties to the one that holds less."""
-    fits = [c for c in costs.values() if c.device_bytes <= budget]
-    return min(fits, key=lambda c: (c.extra_s, c.device_bytes)).policy if fits else None
+    best = best_policy(None, None, budget, costs=costs)
+    return best.policy if best else None
 
 
 def _budgets(costs: dict) -> list[float]:
@@ -174,7 +173,7 @@ def _choice_hint(costs: dict, budget: float, got, want) -> str:
     return f"{want} adds less time ({best.extra_s * 1e3:.4g} ms) than {got} ({mine.extra_s * 1e3:.4g} ms)"
 
 
-@grader("7.3")
+@grader("7.3", rebuilds=("minioffload.predict.activation_cost.best_policy",))
 def choose_policy(fn: Callable) -> str:
     """fn(costs, budget) -> the name of the fastest policy that fits (ties: less memory), or None."""
     cases = nothing = 0

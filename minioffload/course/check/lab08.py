@@ -138,7 +138,7 @@ def _kept_after_forward(n_blocks: int, prefetch: int) -> tuple[list[int], list, 
     return kept, order, pos
 
 
-@grader("8.2")
+@grader("8.2", rebuilds=("minioffload.model.streaming.ParamStreamer.upcoming",))
 def prefetch_queue(fn: Callable) -> str:
     """fn(order, pos, prefetch) -> the blocks of the next `prefetch` uses from order[pos], as upcoming() lists them."""
     cases = 0
@@ -234,7 +234,7 @@ def _window_hint(sizes: list[int], prefetch: int, got, window: int, blocks: str)
             "and a window holds each block once")
 
 
-@grader("8.3")
+@grader("8.3", rebuilds=("minioffload.model.streamed_blocks.plan",))
 def streaming_budget(fn: Callable) -> str:
     """fn() -> (smallest_budget, check_budget): smallest_budget(block_bytes, prefetch) -> bytes, and
     check_budget(block_bytes, prefetch, budget_bytes) raising ValueError, naming the numbers, when it is too small."""

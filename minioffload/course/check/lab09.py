@@ -239,7 +239,7 @@ def _short_hint(case: Case, need: dict, got: dict, want: dict) -> str:
     return "short[tier] = need[tier] - capacity[tier] where that is positive, else 0; capacity from limits.capacity(hw)"
 
 
-@grader("9.1")
+@grader("9.1", rebuilds=("minioffload.planner.search._state_bytes",))
 def feasibility(fn: Callable) -> str:
     """fn(model, hw, limits, *, optimizer_on, params_on, micro_batch, policy, prefetch, subgroup_numel) -> (need,
     short): bytes per tier the configuration needs, and per tier the bytes it lacks (0 where it fits)."""

@@ -173,7 +173,11 @@ def _hint(p: Plan, hw: profiles.Hardware, limits: plan.Limits, got: float) -> st
             "policies' extra_s for every block and micro-batch, plus (grad_accum - 1) x one more micro-batch")
 
 
-@grader("9.2")
+@grader("9.2", rebuilds=(
+    "minioffload.planner.search.prediction",
+    "minioffload.planner.search.step_seconds",
+    "minioffload.planner.search._accumulation_s",
+))
 def tokens_per_second(fn: Callable) -> str:
     """fn(plan, hw, limits) -> the plan's tokens per second, as plan.search predicts it."""
     cases = plans()

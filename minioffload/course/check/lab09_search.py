@@ -267,7 +267,7 @@ def _describe(problem: Problem) -> str:
     return f"best_policies(<{problem.num_blocks} blocks; {options}; {budgets}{split}>)"
 
 
-@grader("9.3")
+@grader("9.3", rebuilds=("minioffload.planner.milp.solve", "minioffload.planner.milp.brute_force"))
 def best_policies(fn: Callable) -> str:
     """fn(problem: plan_milp.Problem) -> plan_milp.Solution with the least objective that fits, or None."""
     small = small_cases()

@@ -100,7 +100,9 @@ def _run_case(fn: Callable, world: int, numel: int, dtype: torch.dtype, seed: in
                                      f"{others:,} B{twice}: gather them, each rank's shard into its slice")
 
 
-@grader("10.3")
+@grader("10.3", nothing_to_refuse=(
+    "a variant: the runtime broadcasts each subgroup's new weights from its owner (ShardedSteps.send_subgroup); "
+    "no runtime function all-gathers a block"))
 def gather_block(fn: Callable) -> str:
     """fn(comm, dev, shard, h2d) -> this rank's device tensor holding the whole (padded) block."""
     for world, numel, dtype, seed in CASES:

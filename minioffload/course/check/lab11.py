@@ -221,7 +221,7 @@ def _content_problem(run: _Run, scenario: _Scenario) -> str:
     return ""
 
 
-@grader("11.1")
+@grader("11.1", rebuilds=("minioffload.train.checkpoint_async._commit_manifest",))
 def commit_manifest(fn: Callable) -> str:
     """fn(directory, manifest) -> the manifest with 'files' added, committed crash-safely as MANIFEST.json."""
     scenarios, cuts = _scenarios(), 0

@@ -155,7 +155,10 @@ def _shown(got: object, where: Path) -> str:
     return repr(got) if not isinstance(got, (str, os.PathLike)) else f"{os.fspath(got)!r}"
 
 
-@grader("11.2")
+@grader("11.2", rebuilds=(
+    "minioffload.train.checkpoint_async.complete",
+    "minioffload.train.checkpoint_async.load_latest",
+))
 def latest_complete(fn: Callable) -> str:
     """fn(directory) -> the path of the newest complete step directory, or None."""
     cases = folders()

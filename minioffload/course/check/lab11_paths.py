@@ -181,7 +181,8 @@ def _refuses(fn: Callable, bandwidths: list[float], index: int | None, what: str
     raise AssertionError(f"{call} returned {got!r:.60}; {problem}: raise a ValueError that names it")
 
 
-@grader("11.3")
+@grader("11.3", nothing_to_refuse=(
+    "a variant: the runtime places subgroups by count (nvme.multipath.chairman_assignment), the task by bytes"))
 def assign_paths(fn: Callable) -> str:
     """fn(subgroup_sizes, bandwidths) -> the path index of each subgroup."""
     for sizes, bandwidths in cases():
@@ -255,7 +256,10 @@ def _order_problem(n: int, step: int, order: list[int], before: list[int] | None
             "the reverse of the previous step's order, so that it starts with the ones still in host memory")
 
 
-@grader("11.4")
+@grader("11.4", rebuilds=(
+    "minioffload.engine.nvme_tier.NvmeTier._order",
+    "minioffload.engine.nvme_tier.reads_avoided_fraction",
+))
 def order_and_reads(fn: Callable) -> str:
     """fn(n, step, cached) -> (visit_order(n, step), reads_needed(n, step, cached))."""
     for n, cached in ORDER_CASES:

@@ -29,7 +29,6 @@ CHAPTERS = sorted((ROOT / "book" / "chapters").glob("[0-9][0-9]_*.ipynb"))
 STILL_THE_RUNTIMES = {
     "2.2": "minioffload.devices.pipeline.overlapped",
     "9.3": "minioffload.planner.milp.brute_force",
-    "10.1": "minioffload.layout.shard_owners",
 }
 
 

@@ -30,6 +30,10 @@ def owners_with(*, key="fewest", ties="lowest", order="given", mutate=False, shu
         indices = list(range(len(sizes)))
         if order == "largest first":
             indices.sort(key=lambda i: -sizes[i])
+        elif order == "smallest first":
+            indices.sort(key=lambda i: sizes[i])
+        elif order == "largest first, equal sizes later first":
+            indices.sort(key=lambda i: (-sizes[i], -i))
         for i in indices:
             def load(r, i=i):
                 return {"fewest": held[r], "count": counts[r], "most": -held[r]}[key]
@@ -106,15 +110,18 @@ def gather_with(*, wait=True, collective="all_gather", upload=True, slot="mine",
     return gather_block
 
 
-REFERENCE = {"10.1": owners_with(), "10.2": reduce_with(), "10.3": gather_with()}
+LARGEST = "largest first"
+REFERENCE = {"10.1": owners_with(order=LARGEST), "10.2": reduce_with(), "10.3": gather_with()}
 WRONG = [  # (task, plausible mistake, what the verdict must mention)
+    ("10.1", owners_with(), "that is the engine's map, the subgroups taken in their given order"),
     ("10.1", owners_with(key="round robin"), "round robin"),
-    ("10.1", owners_with(ties="highest"), "ties go to the lowest rank"),
-    ("10.1", owners_with(key="count"), "balancing the number of subgroups per rank gives the same"),
-    ("10.1", owners_with(order="largest first"), "largest first"),
-    ("10.1", owners_with(key="most"), "no subgroup, though there are"),
-    ("10.1", owners_with(mutate=True), "changed its list of sizes"),
-    ("10.1", owners_with(shuffle=True), "must be the same every time"),
+    ("10.1", owners_with(order=LARGEST, ties="highest"), "ties go to the lowest rank"),
+    ("10.1", owners_with(order=LARGEST, key="count"), "balances the number of subgroups per rank"),
+    ("10.1", owners_with(order="smallest first"), "smallest first"),
+    ("10.1", owners_with(order="largest first, equal sizes later first"), "take the one given first"),
+    ("10.1", owners_with(order=LARGEST, key="most"), "no subgroup, though there are"),
+    ("10.1", owners_with(order=LARGEST, mutate=True), "changed its list of sizes"),
+    ("10.1", owners_with(order=LARGEST, shuffle=True), "must be the same every time"),
     ("10.1", lambda sizes, ranks: [0] * len(sizes), "no subgroup, though there are"),
     ("10.2", reduce_with(owner_only=False), "only the owner copies"),
     ("10.2", reduce_with(collective="all_reduce"), "An all_reduce gives every rank every sum"),

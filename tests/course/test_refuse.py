@@ -52,12 +52,7 @@ def test_a_refusal_the_learner_swallows_still_fails():
         try:
             return layout.shard_owners(sizes, ranks)
         except Exception:
-            held, out = [0] * ranks, []
-            for size in sizes:
-                rank = min(range(ranks), key=lambda r: (held[r], r))
-                out.append(rank)
-                held[rank] += size
-            return out
+            return largest_first(sizes, ranks)
     verdict = check.grade("10.1", owners)
     assert verdict.status == "FAIL" and DELEGATED in verdict.detail
 
@@ -75,12 +70,15 @@ def test_a_function_the_grader_compares_with_is_refused_to_the_learner_only():
     assert solved.passed, str(solved)  # the grader's own calls to best_policy went through meanwhile
 
 
+def largest_first(sizes, ranks):
+    held, out = [0] * ranks, [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        rank = min(range(ranks), key=lambda r: (held[r], r))
+        out[index] = rank
+        held[rank] += sizes[index]
+    return out
+
+
 def test_an_honest_solution_still_passes_while_the_guards_are_up():
-    def owners(sizes, ranks):
-        held, out = [0] * ranks, []
-        for size in sizes:
-            rank = min(range(ranks), key=lambda r: (held[r], r))
-            out.append(rank)
-            held[rank] += size
-        return out
-    assert check.grade("10.1", owners).passed
+    verdict = check.grade("10.1", largest_first)
+    assert verdict.passed, str(verdict)

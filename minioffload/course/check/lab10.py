@@ -4,11 +4,13 @@ Task 10.2 (a subgroup's gradients summed into its owner and copied to its pinned
 lab10_reduce.py, Task 10.3 (a block's weights gathered from shards before it runs) in lab10_gather.py; both run
 their ranks on threads (lab10_ranks.py). Importing this module registers all three.
 
-Task 10.1 is checked against `layout.shard_owners`, the map every rank of the engine computes, on hand-made cases and
-seeded random ones (sizes equal, uniform, heavy-tailed; more ranks than subgroups; one rank), and by what the map
-must do whatever its code: name a rank for each subgroup, give every rank one when there are enough, keep the
-heaviest and lightest rank within one subgroup of each other, and give the same answer every time without changing
-its input. When an answer equals what a plausible mistake gives, the verdict names it.
+Task 10.1 asks for a map the engine does not use: the subgroups placed largest first, each on the rank holding the
+fewest elements so far (the engine takes them in their given order, `layout.shard_owners`). It is checked on
+hand-made cases and seeded random ones (sizes equal, uniform, heavy-tailed; more ranks than subgroups; one rank)
+against the engine's map applied to the subgroups sorted largest first, and by what the map must do whatever its
+code: name a rank for each subgroup, give every rank one when there are enough, keep the heaviest and lightest rank
+within one subgroup of each other, and give the same answer every time without changing its input. When an answer
+equals what a plausible mistake gives, the verdict names it.
 """
 
 from __future__ import annotations
@@ -60,21 +62,38 @@ def loads(sizes: list[int], owners: list[int], ranks: int) -> list[int]:
     return held
 
 
+def largest_first(sizes: list[int], ranks: int, later_first: bool = False) -> list[int]:
+    """The map Task 10.1 asks for, from the engine's: its in-order rule applied to the subgroups sorted largest first
+    (equal sizes: the one given first, or the one given later with `later_first`, a mistake)."""
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], -i if later_first else i))
+    out = [0] * len(sizes)
+    for index, rank in zip(order, shard_owners([sizes[i] for i in order], ranks), strict=True):
+        out[index] = rank
+    return out
+
+
 def _round_robin(sizes, ranks):
     return [i % ranks for i in range(len(sizes))]
 
 
+def _count_largest_first(sizes, ranks):
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    out = [0] * len(sizes)
+    for position, index in enumerate(order):
+        out[index] = position % ranks
+    return out
+
+
 def _ties_to_highest(sizes, ranks):
-    # the runtime's map with the ranks numbered backwards: the same loads, each tie won by the highest rank
-    return [ranks - 1 - owner for owner in shard_owners(sizes, ranks)]
+    # the map with the ranks numbered backwards: the same loads, each tie won by the highest rank
+    return [ranks - 1 - owner for owner in largest_first(sizes, ranks)]
 
 
-def _largest_first(sizes, ranks):
-    held, out = [0] * ranks, [0] * len(sizes)
-    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        rank = min(range(ranks), key=lambda r: (held[r], r))
+def _smallest_first(sizes, ranks):
+    order = sorted(range(len(sizes)), key=lambda i: sizes[i])
+    out = [0] * len(sizes)
+    for index, rank in zip(order, shard_owners([sizes[i] for i in order], ranks), strict=True):
         out[index] = rank
-        held[rank] += sizes[index]
     return out
 
 
@@ -87,16 +106,21 @@ def _contiguous(sizes, ranks):
 
 
 MISTAKES = (  # (what it is, the map it gives), most specific first
-    ("that is round robin (subgroup i to rank i % ranks; balancing the number of subgroups per rank gives the same): "
-     "it ignores the sizes, so a rank that drew the large subgroups holds far more optimizer state than the "
-     "others. Balance elements: each subgroup to the rank holding the fewest so far", _round_robin),
+    ("that is round robin (subgroup i to rank i % ranks, in some order): it ignores the sizes, so a rank that drew "
+     "the large subgroups holds far more optimizer state than the others. Balance elements: largest first, each "
+     "subgroup to the rank holding the fewest so far", _round_robin),
+    ("that balances the number of subgroups per rank, not their elements: each subgroup goes to the rank holding the "
+     "fewest elements so far", _count_largest_first),
     ("ties go to the lowest rank: among the ranks holding equally few elements, take the one with the smallest "
      "number, so that every rank computes the same map", _ties_to_highest),
-    ("the subgroups were taken largest first: keep their order (0, 1, 2, ...), each to the rank holding the fewest "
-     "elements so far; every rank must derive the same map from the same list, and the engine reduces them in "
-     "that order", _largest_first),
-    ("contiguous ranges of subgroups by cumulative size: each subgroup goes, in order, to the rank holding the "
-     "fewest elements so far", _contiguous),
+    ("that is the engine's map, the subgroups taken in their given order: a large subgroup that comes late lands on "
+     "a rank already holding a full share. Take them largest first", shard_owners),
+    ("the subgroups were taken smallest first: the large ones come last and pile up; take them largest first",
+     _smallest_first),
+    ("among subgroups of equal size, take the one given first (the lower index): every rank must derive the same "
+     "map from the same list", functools.partial(largest_first, later_first=True)),
+    ("contiguous ranges of subgroups by cumulative size: take the subgroups largest first, each to the rank holding "
+     "the fewest elements so far", _contiguous),
 )
 
 
@@ -128,11 +152,18 @@ def _property_broken(sizes: list[int], got: list[int], ranks: int) -> str:
 
 
 def _hint(sizes: list[int], got: list[int], ranks: int) -> str:
-    for what, mistake in MISTAKES:
-        if got == mistake(sizes, ranks) and got != shard_owners(sizes, ranks):
-            return what
-    return ("in order, each subgroup goes to the rank holding the fewest elements so far (counting the subgroups "
-            "given before it), ties to the lowest rank")
+    """What the answer's mistake is: every listed mistake that gives this map (on a small case several can), or how
+    the map is made."""
+    if got != largest_first(sizes, ranks):
+        named = [what for what, mistake in MISTAKES if got == mistake(sizes, ranks)]
+        if named:
+            return " Or: ".join(named)
+    return ("largest first (equal sizes: the one given first), each subgroup goes to the rank holding the fewest "
+            "elements so far, ties to the lowest rank")
+
+
+def _heaviest(sizes: list[int], owners: list[int], ranks: int) -> int:
+    return max(loads(sizes, owners, ranks)) if sizes else 0
 
 
 @grader("10.1", rebuilds=("minioffload.layout.shard_owners",))
@@ -145,23 +176,26 @@ def shard_map(fn: Callable) -> str:
         if given != sizes:
             raise AssertionError(f"{call} changed its list of sizes (to {given[:12]!r}...): the engine's subgroups "
                                  "keep their order; work on a copy")
-        want = shard_owners(sizes, ranks)
+        want = largest_first(sizes, ranks)
         if got != want:
             broken = _property_broken(sizes, got, ranks)
             held = loads(sizes, got, ranks)
             shown = f"{got}" if len(got) <= 12 else f"{got[:12]}... (loads {held})"
             expected = f"{want}" if len(want) <= 12 else f"{want[:12]}... (loads {loads(sizes, want, ranks)})"
-            raise AssertionError(f"{call} returned {shown}; the engine's map is {expected}: "
+            raise AssertionError(f"{call} returned {shown}; the largest-first map is {expected}: "
                                  f"{broken + '; ' if broken else ''}{_hint(sizes, got, ranks)}")
         again = fn(list(sizes), ranks)
         if list(again) != got:
             raise AssertionError(f"{call} returned {got} and then {list(again)}: every rank computes the map on its "
                                  "own, so it must be the same every time (no randomness, no state kept between calls)")
     spread = sum(len(s) >= r > 1 for s, r in cases())
+    heavier = [(_heaviest(s, largest_first(s, r), r), _heaviest(s, shard_owners(s, r), r)) for s, r in cases()]
+    lighter, worse = sum(mine < engine for mine, engine in heavier), sum(mine > engine for mine, engine in heavier)
     return (f"{len(cases())} lists of subgroup sizes ({len(HAND_CASES)} by hand, {RANDOM_CASES} random, 1 to 8 ranks): "
-            f"your map is the engine's; in the {spread} with at least as many subgroups as ranks (and more than one "
-            "rank) every rank owns some, and the heaviest rank holds at most the lightest's elements plus the largest "
-            "subgroup")
+            f"your map is the largest-first map; in the {spread} with at least as many subgroups as ranks (and more "
+            "than one rank) every rank owns some, and the heaviest rank holds at most the lightest's elements plus the "
+            f"largest subgroup. Against the engine's in-order map, its heaviest rank is lighter in {lighter} cases "
+            f"and heavier in {worse}")
 
 
 from . import lab10_gather, lab10_reduce  # noqa: E402, F401  (their graders: Tasks 10.2 and 10.3)

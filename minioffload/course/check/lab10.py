@@ -62,14 +62,18 @@ def loads(sizes: list[int], owners: list[int], ranks: int) -> list[int]:
     return held
 
 
-def largest_first(sizes: list[int], ranks: int, later_first: bool = False) -> list[int]:
-    """The map Task 10.1 asks for, from the engine's: its in-order rule applied to the subgroups sorted largest first
-    (equal sizes: the one given first, or the one given later with `later_first`, a mistake)."""
-    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], -i if later_first else i))
+def _placed_in(order: list[int], sizes: list[int], ranks: int) -> list[int]:
+    """The engine's in-order rule applied to the subgroups taken in `order`, as owners in the given order."""
     out = [0] * len(sizes)
     for index, rank in zip(order, shard_owners([sizes[i] for i in order], ranks), strict=True):
         out[index] = rank
     return out
+
+
+def largest_first(sizes: list[int], ranks: int, later_first: bool = False) -> list[int]:
+    """The map Task 10.1 asks for: the engine's rule on the subgroups sorted largest first (equal sizes: the one
+    given first, or the one given later with `later_first`, a mistake)."""
+    return _placed_in(sorted(range(len(sizes)), key=lambda i: (-sizes[i], -i if later_first else i)), sizes, ranks)
 
 
 def _round_robin(sizes, ranks):
@@ -90,11 +94,7 @@ def _ties_to_highest(sizes, ranks):
 
 
 def _smallest_first(sizes, ranks):
-    order = sorted(range(len(sizes)), key=lambda i: sizes[i])
-    out = [0] * len(sizes)
-    for index, rank in zip(order, shard_owners([sizes[i] for i in order], ranks), strict=True):
-        out[index] = rank
-    return out
+    return _placed_in(sorted(range(len(sizes)), key=lambda i: sizes[i]), sizes, ranks)
 
 
 def _contiguous(sizes, ranks):

@@ -228,7 +228,7 @@ def _accumulation_s(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits) 
     compute = _compute_s(model, hw, c, limits)
     if c.optimizer_on == "device":
         return compute
-    compute += model.num_tensors * hw.copy_overhead  # the hooks issue every gradient's copy again
+    compute += model.num_tensors * (hw.grad_hook_overhead + hw.copy_overhead)  # every gradient's hook and copy again
     own = _own_fraction(model, c, limits.ranks)  # ranks > 1: each gradient reduced, its owner copies and sums it
     grads = own * model.num_params * mb / hw.link_d2h
     summed = own * model.num_params * (stepmodel.ACCUMULATE_BYTES + mb) / hw.host_bandwidth

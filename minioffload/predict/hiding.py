@@ -4,8 +4,11 @@ one knob at which the work to hide takes exactly as long as the compute it runs 
     streamed weights     a block's fetch, copies x link_latency + bytes / link_h2d (and bytes / nvme_read, pipelined,
                          from an NVMe home), under the block's forward, 2 P T / (peak x mfu), P its parameters:
                              tokens >= fetch x peak x mfu / (2 P)
-    gradient copies      N x model_bytes / link_d2h (+ a latency per tensor) under the backward, 4 N T / (peak x mfu):
-                             tokens >= (N x model_bytes / link_d2h + copies x link_latency) x peak x mfu / (4 N)
+    gradient copies      N x model_bytes / link_d2h (+ a latency per tensor) under the backward, 4 N T / (peak x mfu),
+                         lengthened by the hooks that issue the copies (copies x (grad_hook_overhead + copy_overhead)
+                         on the backward's thread):
+                             tokens >= (N x model_bytes / link_d2h + copies x (link_latency - grad_hook_overhead
+                                        - copy_overhead)) x peak x mfu / (4 N), and at least 0
     delayed update       the CPU's Adam and its rounding pass over N parameters, run beside the next step's forward
                          and backward, 6 N T / (peak x mfu):
                              tokens >= (1 / cpu_adam_rate + pass bytes / host_bandwidth) x peak x mfu / 6
@@ -97,13 +100,15 @@ def streamed_fetch(work: Workload, hw: Hardware, home: str = "host", mfu: float 
 
 
 def gradient_copies(work: Workload, hw: Hardware, mfu: float = 0.4) -> Condition:
-    """The gradients' copies to the host (one per tensor) under the backward that makes them."""
+    """The gradients' copies to the host (one per tensor) under the backward that makes them, whose thread also runs
+    the hooks that issue them."""
     rate = _rate(hw, work.precision, mfu)
     n = work.num_params
     copies = work.num_tensors * hw.link_latency + n * work.model_bytes / hw.link_d2h
-    backward = 4 * n * work.tokens / rate
+    hooks = work.num_tensors * (hw.grad_hook_overhead + hw.copy_overhead)
+    backward = 4 * n * work.tokens / rate + hooks
     return Condition("optimizer offload", "the gradients' copies to the host", "the backward", "tokens", "tokens",
-                     copies * rate / (4 * n), work.tokens, copies, backward)
+                     max(copies - hooks, 0.0) * rate / (4 * n), work.tokens, copies, backward)
 
 
 def delayed_update(work: Workload, hw: Hardware, mfu: float = 0.4) -> Condition:

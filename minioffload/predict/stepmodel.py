@@ -14,7 +14,8 @@ free. Durations, per operation:
     a copy   latency + bytes / link        CPU Adam  n / cpu_adam_rate   other host passes  bytes / host_bandwidth
     disk     per-file cost + bytes / nvme_read or write (one file per subgroup's state, per streamed block)
     a collective  collective_latency + bytes sent / interconnect      device Adam  n / device_adam_rate
-    host time on the compute thread: copy_overhead per copy a hook issues, fetch_overhead per streamed block fetched
+    host time on the compute thread: grad_hook_overhead per gradient the engine's hook takes, copy_overhead per
+    copy a hook issues, fetch_overhead per streamed block fetched
 
 Which resources are one: each lane is its own resource, except that reads and writes share one drive, and
 on a `shared_host` profile (the simulated device) the device's compute and the CPU's work run on the same
@@ -119,31 +120,33 @@ class _Builder:
         sent = ring_bytes(kind, nbytes, self.ranks)
         return self.plan.add("net", name, self.hw.collective_latency + sent / self.hw.interconnect, deps, sent, "net")
 
-    def grad_copies(self, params: float, tensors: int) -> list[tuple[float, int, float]]:
-        """(params, copies, gathered params) of the pieces in which `tensors` equal gradients of `params` leave the
-        device, in the order backward finishes them: one piece of `tensors` copies (one per tensor); with
+    def grad_copies(self, params: float, tensors: int) -> list[tuple[float, int, int, float]]:
+        """(params, tensors, copies, gathered params) of the pieces in which `tensors` equal gradients of `params`
+        leave the device, in the order backward finishes them: one piece of `tensors` copies (one per tensor); with
         bucket_numel one copy per bucket, the last bucket first (backward runs the layers in reverse), its
         gradients gathered into the bucket on the device unless it holds one tensor alone (engine/buckets.py)."""
         if self.config.options.bucket_numel is None:
-            return [(params, tensors, 0.0)]
+            return [(params, tensors, tensors, 0.0)]
         buckets = pack_buckets([params / tensors] * tensors, self.config.options.bucket_numel)
-        return [(sum(bucket), 1, sum(bucket) if len(bucket) > 1 else 0.0) for bucket in reversed(buckets)]
+        return [(sum(bucket), len(bucket), 1, sum(bucket) if len(bucket) > 1 else 0.0) for bucket in reversed(buckets)]
 
     def copies_of(self, params: float, tensors: int) -> tuple[int, float]:
         """The copies and the gathered parameters of `grad_copies`, summed over its pieces."""
         pieces = self.grad_copies(params, tensors)
-        return sum(copies for _, copies, _ in pieces), sum(gathered for _, _, gathered in pieces)
+        return sum(copies for _, _, copies, _ in pieces), sum(gathered for _, _, _, gathered in pieces)
 
-    def hooks(self, copies: int, gathered: float) -> float:
-        """Seconds the gradient hooks add to a piece of backward: the host's time to issue `copies` copies and the
-        device-side gather of `gathered` parameters' gradients into their buckets."""
+    def hooks(self, tensors: int, copies: int, gathered: float) -> float:
+        """Seconds the gradient hooks add to a piece of backward: the engine's hook for each of `tensors` gradients,
+        the host's time to issue `copies` copies, and the device-side gather of `gathered` parameters' gradients
+        into their buckets."""
         gather = 2 * gathered * self.work.model_bytes  # read and write, in the model's dtype
-        return copies * self.hw.copy_overhead + gather / self.hw.device_bandwidth
+        return (tensors * self.hw.grad_hook_overhead + copies * self.hw.copy_overhead
+                + gather / self.hw.device_bandwidth)
 
-    def backward_piece(self, params: float, copies: int, gathered: float) -> int:
+    def backward_piece(self, params: float, tensors: int, copies: int, gathered: float) -> int:
         """The backward of `params` parameters with its hooks (the gather is a host memcpy on a shared host)."""
         work, hw = self.work, self.hw
-        seconds = self.backward_s * params / work.num_params + self.hooks(copies, gathered)
+        seconds = self.backward_s * params / work.num_params + self.hooks(tensors, copies, gathered)
         return self.plan.add("compute", "backward", seconds, [self.last_compute], stream="compute",
                              host_bytes=2 * gathered * work.model_bytes if hw.shared_host else 0.0)
 
@@ -159,10 +162,10 @@ class _Builder:
         self.last_compute = forward
         for index in reversed(range(len(groups))):  # backward produces the last layers' gradients first
             params, tensors = groups[index]
-            pieces = self.grad_copies(params, tensors) if index in on_cpu else [(params, 0, 0.0)]
+            pieces = self.grad_copies(params, tensors) if index in on_cpu else [(params, 0, 0, 0.0)]
             done = []
-            for piece, piece_copies, gathered in pieces:
-                self.last_compute = self.backward_piece(piece, piece_copies, gathered)
+            for piece, piece_tensors, piece_copies, gathered in pieces:
+                self.last_compute = self.backward_piece(piece, piece_tensors, piece_copies, gathered)
                 done.append(self.last_compute)
             self.grads_made[index] = done[-1]
             if self.ranks > 1:  # the subgroup's gradient, reduced to its owner, leaves from there
@@ -175,7 +178,7 @@ class _Builder:
                     copies[0].append(done[0])
             if index in on_cpu:
                 owner = self.owners[index]
-                for (piece, piece_copies, _), ready in zip(pieces, done, strict=True):
+                for (piece, _, piece_copies, _), ready in zip(pieces, done, strict=True):
                     copies[owner].append(self.copy("d2h", piece * mb, piece_copies, "d2h grad", [ready], "d2h", owner))
                 self.arrived[index] = copies[owner][-1]
         return self.last_compute, copies
@@ -200,7 +203,8 @@ class _Builder:
                 last = plan.add("compute", "forward head", self.forward_s * head / work.num_params, [last],
                                 stream="compute")
                 last = plan.add("compute", "backward head", self.backward_s * head / work.num_params
-                                + self.hooks(head_copies, head_gathered), [last], stream="compute")
+                                + self.hooks(head_tensors if head else 0, head_copies, head_gathered), [last],
+                                stream="compute")
                 if head:
                     copies.append(self.copy("d2h", head * mb, head_copies, "d2h grad", [last], "d2h"))
             fetch = None
@@ -215,7 +219,8 @@ class _Builder:
                 fetch = self.copy("h2d", block * mb, block_tensors, f"fetch block {i}", deps, "param h2d")
             seconds = self.forward_s * block / work.num_params
             if backward:  # the host issues each gradient copy from its hook
-                seconds = self.backward_s * block / work.num_params + self.hooks(block_copies, block_gathered)
+                seconds = (self.backward_s * block / work.num_params
+                           + self.hooks(block_tensors, block_copies, block_gathered))
             if fetch is not None:  # the streamer's hooks fetch it (and release the one before) on the same thread
                 seconds += hw.fetch_overhead
             last = plan.add("compute", f"{'backward' if backward else 'forward'} block {i}", seconds, [last, fetch],

@@ -59,6 +59,7 @@ def summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_
     split["other_s"] = max(0.0, step_time / n - sum(split.values()))  # data, loss.item(), bookkeeping
     split["step_s"] = step_time / n
     split["step_median_s"] = sorted(durations)[n // 2]  # robust to steps stalled by other processes
+    split["step_min_s"] = min(durations)  # the step with the fewest stalls: what it costs on a quiet machine
     host_bytes = (sum(t.numel() * t.element_size() for sub in opt.subgroups for t in sub.held().values())
                   if isinstance(opt, OffloadAdam) else 0)
     start_ids = tok.encode("\n") if "\n" in tok.chars else [0]

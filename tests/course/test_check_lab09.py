@@ -75,7 +75,7 @@ def tokens_with(*, accumulate=True, repeat=False, policies_once=False, no_polici
         if p.optimizer_on == "device":
             more = compute
         else:
-            compute += model.num_tensors * hw.copy_overhead * hooks
+            compute += model.num_tensors * (hw.grad_hook_overhead + hw.copy_overhead) * hooks
             summed = model.num_params * (stepmodel.ACCUMULATE_BYTES + mb) / hw.host_bandwidth
             moves = [model.num_params * mb / hw.link_d2h, summed]
             if p.params_on != "device" and fetches:

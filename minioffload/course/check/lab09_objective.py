@@ -94,7 +94,7 @@ def _mistakes(p: Plan, hw: profiles.Hardware, limits: plan.Limits) -> list[tuple
     if p.optimizer_on == "device":
         return out
     compute = plan._compute_s(model, hw, c, limits)
-    hooks = model.num_tensors * hw.copy_overhead
+    hooks = model.num_tensors * (hw.grad_hook_overhead + hw.copy_overhead)
     summed = model.num_params * (stepmodel.ACCUMULATE_BYTES + mb) / hw.host_bandwidth
     moves = [model.num_params * mb / hw.link_d2h, summed]
     fetches, fetch_host, bare_fetches = [], 0.0, []
@@ -116,13 +116,15 @@ def _mistakes(p: Plan, hw: profiles.Hardware, limits: plan.Limits) -> list[tuple
                     "computes on the CPU's cores, so the gradients' host sum runs after the compute, not beside it: "
                     "compute + sum", with_more(max(compute + fetch_host + hooks, *moves, *fetches))))
         out.append(("the hooks' copies left out: each extra micro-batch issues every gradient's copy again, "
-                    "num_tensors x copy_overhead of host time", with_more(compute + fetch_host + summed)))
+                    "num_tensors x (grad_hook_overhead + copy_overhead) of host time",
+                    with_more(compute + fetch_host + summed)))
     else:
         out.append(("compute and moves added up on a GPU: its copies and the host's sum run beside its compute, so "
                     "an extra micro-batch takes the longest of them",
                     with_more(compute + fetch_host + hooks + summed)))
         out.append(("the hooks' copies left out: each extra micro-batch issues every gradient's copy again, "
-                    "num_tensors x copy_overhead of host time", with_more(max(compute + fetch_host, *moves, *fetches))))
+                    "num_tensors x (grad_hook_overhead + copy_overhead) of host time",
+                    with_more(max(compute + fetch_host, *moves, *fetches))))
         if fetches:
             what = ("the streamed blocks' fetches or their fixed costs left out: each extra micro-batch brings the "
                     "blocks up again (forward and backward), over the link and, from NVMe, off the drive; each fetch "

@@ -7,8 +7,10 @@ on a real GPU (where it is the PCIe or NVLink-C2C link); `copy_costs(dev)` the f
 `matmul_flops()`, `cpu_adam_rate()` and `disk_bandwidth(dir)` time the rest. `profiles.probe()` collects
 these into a profile of this machine beside the cited presets of the hardware table.
 
-What this is not: a benchmark suite. Each function runs a few repeats and reports the median (copies: the fastest);
-`bench/` is where contenders are compared side by side.
+`fetch_cost`, `pack_cost` and `grad_cost` time what one streamed block, saved tensor or gradient adds to a pass.
+
+What this is not: a benchmark suite. Each function runs a few repeats and reports the median (copies and the per-call
+costs: the fastest); `bench/` is where contenders are compared side by side.
 """
 
 from __future__ import annotations

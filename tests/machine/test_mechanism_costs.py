@@ -1,4 +1,5 @@
-"""The per-call costs probe() measures: a streamed block's fetch, a saved tensor's offload, a file's read and write.
+"""The per-call costs probe() measures: a streamed block's fetch, a saved tensor's offload, a gradient's hook, a file's
+read and write.
 
 Each is planted: the runtime's own step made slower by a known sleep per call must show in the measured cost (other
 work on the machine only ever adds to a pass, and each cost is the fastest pass against the fastest pass)."""
@@ -8,6 +9,7 @@ import time
 import pytest
 
 from minioffload.devices import Link, device
+from minioffload.engine.optimizer import OffloadAdam
 from minioffload.machine import measure
 from minioffload.model.activations import Activations
 from minioffload.model.streaming import ParamStreamer
@@ -33,6 +35,7 @@ def fast_sim():
 @pytest.mark.parametrize("cost, cls, method", [
     (measure.fetch_cost, ParamStreamer, "_start"),  # once per block fetched
     (measure.pack_cost, Activations, "_pack"),  # once per saved tensor
+    (measure.grad_cost, OffloadAdam, "_on_grad"),  # once per gradient
 ])
 def test_a_slower_call_shows_in_its_mechanisms_cost(monkeypatch, cost, cls, method):
     with fast_sim() as dev:

@@ -48,6 +48,13 @@ class DelayedUpdate:
             job, self._job = self._job, None
             self.unsent += job.result()
 
+    def close(self) -> None:
+        """Wait for the update in flight, then stop the worker thread."""
+        try:
+            self.join()
+        finally:
+            self._thread.shutdown(wait=True)
+
     @staticmethod
     def stash(slot: Slot) -> None:
         """Round a slot's fp32 master into its upload buffer (on the CPU, nearest even)."""

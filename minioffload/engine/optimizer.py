@@ -358,6 +358,9 @@ class OffloadAdam(torch.optim.Optimizer):
         for handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks.clear()
+        for worker in (self.delayed, self.speculative):  # their threads stop now, not when the collector frees them
+            if worker is not None:
+                worker.close()
         self._closed = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:

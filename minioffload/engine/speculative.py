@@ -143,6 +143,13 @@ class SpeculativeUpdate:
             future.result()
         return self.speculations
 
+    def close(self) -> None:
+        """Wait for the worker, then stop its thread (no backward submits to it once the hooks are off)."""
+        try:
+            self.join()
+        finally:
+            self._worker.shutdown(wait=True)
+
     def commit(self, sub: Subgroup, coef: float, slots: list, hyper: dict) -> bool:
         """Keep `sub`'s speculated update if it is what the synchronous step would compute now (the new state
         swapped in); False: the caller updates it."""

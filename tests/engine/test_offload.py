@@ -439,3 +439,17 @@ def test_a_closed_optimizer_is_freed_once_dropped_and_refuses_to_step():
         ref, model = dropped(close)
         gc.collect()
         assert (ref() is None) == close, f"close={close}: the optimizer {'lives' if ref() else 'was freed'}"
+
+@pytest.mark.parametrize("options, thread", [({"delay_updates_after": 0}, "offload-update"),
+                                             ({"speculative": True}, "speculative adam")])
+def test_close_stops_the_update_worker_thread(options, thread):
+    def workers() -> int:
+        return sum(t.name.startswith(thread) and t.is_alive() for t in threading.enumerate())
+
+    with device("sim") as dev:
+        model, opt = fresh(dev, **options)
+        train(model, opt, 2)
+        running = workers()
+        assert running >= 1, f"no {thread!r} thread ran: the test would pass without close() stopping it"
+        opt.close()
+        assert workers() == running - 1

@@ -18,6 +18,7 @@ Headline (bench/results/plan_accuracy.json), median of 3 runs with their spread:
     device_within_plan      every run's device peak (the sim's ledger) within the device bytes its plan predicted
     out_of_memory           per run, the plans that ran out of the device memory they were planned for (each is a
                             row without a step time, and makes device_within_plan false)
+    every_run               each run's two figures and its plans, predicted and measured
 
     python bench/plan_accuracy.py [--quick] [--runs N]
 """
@@ -186,7 +187,13 @@ def main() -> int:
                 "device_within_plan": all(h["device_within_plan"] for h in per_run),
                 "plans": per_run[0]["plans"], "runs": runs, "spread": spread,
                 "out_of_memory": [h["out_of_memory"] for h in per_run],
-                "targets": {"median_relative_error": 0.15, "chosen_plan_gap": 1.10}}
+                "targets": {"median_relative_error": 0.15, "chosen_plan_gap": 1.10},
+                # every run's plans, not only the median run's (a run that misses shows which plan made it miss)
+                "every_run": [{"median_relative_error": h["median_relative_error"],
+                               "chosen_plan_gap": h["chosen_plan_gap"],
+                               "plans": [{"rank": r["rank"], "predicted_s": r["predicted_s"],
+                                          "measured_s": r["measured_s"], "plan": r["plan"]} for r in run_rows]}
+                              for run_rows, h, _, _ in results]}
     def each(key: str) -> str:
         return ", ".join(f"{h[key]:.3f}" for h in per_run)
 

@@ -7,7 +7,8 @@ on a real GPU (where it is the PCIe or NVLink-C2C link); `copy_costs(dev)` the f
 `matmul_flops()`, `cpu_adam_rate()` and `disk_bandwidth(dir)` time the rest. `profiles.probe()` collects
 these into a profile of this machine beside the cited presets of the hardware table.
 
-`fetch_cost`, `pack_cost` and `grad_cost` time what one streamed block, saved tensor or gradient adds to a pass.
+`fetch_cost`, `pack_cost` and `grad_cost` time what one streamed block, saved tensor or gradient adds to a pass;
+`subgroup_cost` what one more subgroup adds to OffloadAdam's step.
 
 What this is not: a benchmark suite. Each function runs a few repeats and reports the median (copies and the per-call
 costs: the fastest); `bench/` is where contenders are compared side by side.
@@ -327,3 +328,32 @@ def pack_cost(dev, blocks: int = 12, width: int = 256, batch: int = 512, repeats
         return _extra_seconds(dev, plain, model, x, repeats) / max(packed, 1)
     finally:
         acts.remove()
+
+
+def subgroup_cost(dev, blocks: int = 12, width: int = 256, batch: int = 64, repeats: int = 7) -> float:
+    """Seconds one more subgroup adds to OffloadAdam's step() on `dev`, beyond its parameters: the same chain of
+    `blocks` blocks updated as one subgroup and as one subgroup per tensor (its CPU Adam over the same bytes either
+    way), steps alternating, each keeping its fastest, over the extra subgroups. What is left is each subgroup's Adam
+    call and its trace span, the zeroing of its gradient, its upload's issue and event, and its bookkeeping."""
+    from ..engine.optimizer import OffloadAdam
+
+    x = dev.adopt(torch.randn(batch, width), "probe input")
+    models = [dev.place(_chain(blocks, width)) for _ in range(2)]
+    numel = sum(p.numel() for p in models[0].parameters())
+    opts = [OffloadAdam(models[0].parameters(), dev, subgroup_numel=numel),
+            OffloadAdam(models[1].parameters(), dev, subgroup_numel=1)]  # one tensor per subgroup
+    times: list[list[float]] = [[], []]
+    try:
+        for _ in range(repeats + 1):  # the first round warms both up
+            for model, opt, seconds in zip(models, opts, times, strict=True):
+                _one_pass(dev, model, x)
+                start = time.perf_counter()
+                opt.step()
+                dev.synchronize()
+                seconds.append(time.perf_counter() - start)
+                opt.zero_grad()
+        extra = len(opts[1].subgroups) - len(opts[0].subgroups)
+        return max(min(times[1][1:]) - min(times[0][1:]), 1e-7) / extra
+    finally:
+        for opt in opts:
+            opt.close()

@@ -41,7 +41,8 @@ from ..units import GB, GiB
 FIGURES = {
     "device_memory": "B", "device_bandwidth": "B/s", "peak_flops_bf16": "FLOP/s", "peak_flops_fp32": "FLOP/s",
     "device_adam_rate": "params/s", "link_theoretical": "B/s", "link_h2d": "B/s", "link_d2h": "B/s",
-    "link_latency": "s", "copy_overhead": "s", "grad_hook_overhead": "s", "fetch_overhead": "s", "pack_overhead": "s",
+    "link_latency": "s", "copy_overhead": "s", "grad_hook_overhead": "s", "subgroup_overhead": "s",
+    "fetch_overhead": "s", "pack_overhead": "s",
     "host_memory": "B",
     "host_bandwidth": "B/s", "cpu_adam_rate": "params/s",
     "nvme_read": "B/s", "nvme_write": "B/s", "nvme_read_overhead": "s", "nvme_write_overhead": "s", "cores": "",
@@ -68,6 +69,7 @@ class Hardware:
     link_latency: float  # s, the fixed cost of one copy on the link
     copy_overhead: float  # s, host time to issue one copy (the launch: a driver call, or the sim's queueing)
     grad_hook_overhead: float  # s, host time per gradient in the offload engine's hook beyond its copy's issue
+    subgroup_overhead: float  # s, host time per subgroup in the offload engine's step beyond its bytes and upload issue
     fetch_overhead: float  # s, host time per streamed block fetched and released, beyond its copy (chapter 8's hooks)
     pack_overhead: float  # s, host time per saved tensor offloaded and brought back (chapter 7's hooks and copies)
     host_memory: float  # B
@@ -145,6 +147,9 @@ _SRC = {
     "grad_hook": "estimate: ~30 us of host time per gradient in the offload engine's hook beyond the copy's launch "
                  "(an autograd hook into Python, the gradient counted into its subgroup or bucket, an event recorded: "
                  "a few dozen Python calls on a server core); profiles.probe() measures this machine's",
+    "subgroup": "estimate: ~20 us of host time per subgroup in the offload engine's step beyond its bytes and its "
+                "upload's launch (a CPU Adam call, its gradient zeroed, an event recorded: a dozen Python calls on a "
+                "server core); profiles.probe() measures this machine's",
     "fetch": "estimate: ~50 us of host time per streamed block fetched and released (two module hooks, an allocation, "
              "a copy issue per home piece, an event, a free: a few dozen Python calls and one launch on a server "
              "core); profiles.probe() measures this machine's",
@@ -236,7 +241,8 @@ def _preset(name: str, description: str, *, device_memory, device_bandwidth, bf1
     sources = {figure: _SRC[key] for figure, key in src.items()}
     sources.setdefault("link_latency", _SRC["latency"])
     sources.setdefault("copy_overhead", _SRC["launch"])
-    for figure, key in (("grad_hook_overhead", "grad_hook"), ("fetch_overhead", "fetch"), ("pack_overhead", "pack"),
+    for figure, key in (("grad_hook_overhead", "grad_hook"), ("subgroup_overhead", "subgroup"),
+                        ("fetch_overhead", "fetch"), ("pack_overhead", "pack"),
                         ("collective_latency", "collective"),
                         ("nvme_read_overhead", "file_read"), ("nvme_write_overhead", "commit_plp")):
         sources.setdefault(figure, _SRC[key])
@@ -248,7 +254,8 @@ def _preset(name: str, description: str, *, device_memory, device_bandwidth, bf1
         peak_flops_bf16=bf16, peak_flops_fp32=fp32,
         device_adam_rate=0.8 * device_bandwidth / ADAM_BYTES_PER_PARAM,
         link_theoretical=link_theoretical, link_h2d=link_achieved, link_d2h=link_achieved, link_latency=10e-6,
-        copy_overhead=5e-6, grad_hook_overhead=30e-6, fetch_overhead=50e-6, pack_overhead=15e-6,
+        copy_overhead=5e-6, grad_hook_overhead=30e-6, subgroup_overhead=20e-6, fetch_overhead=50e-6,
+        pack_overhead=15e-6,
         host_memory=host_memory, host_bandwidth=host_bandwidth,
         cpu_adam_rate=0.8 * host_bandwidth / ADAM_BYTES_PER_PARAM,
         nvme_read=nvme_read, nvme_write=nvme_write, nvme_read_overhead=20e-6, nvme_write_overhead=nvme_write_overhead,
@@ -433,7 +440,7 @@ def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quic
         per_copy = hardware.copy_costs(dev)
     with SimDevice(h2d=Link(1e12), d2h=Link(1e12), strict=False) as dev:  # bytes free: each call's cost is left
         per_fetch, per_pack = hardware.fetch_cost(dev), hardware.pack_cost(dev)
-        per_grad = hardware.grad_cost(dev)
+        per_grad, per_subgroup = hardware.grad_cost(dev), hardware.subgroup_cost(dev)
     defaults = inspect.signature(SimDevice).parameters
     memory_bytes, adam_rate = defaults["memory_bytes"].default, defaults["adam_rate"].default
     measured = f"measured on this machine by profiles.probe() ({os.cpu_count()} cores, torch {torch.__version__})"
@@ -448,6 +455,9 @@ def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quic
                     "grad_hook_overhead": "measured: what one gradient adds to backward on the sim when OffloadAdam "
                                           "takes it, bytes and the copy's issue aside (measure.grad_cost), by "
                                           "profiles.probe()",
+                    "subgroup_overhead": "measured: what one more subgroup adds to OffloadAdam's step on the sim, "
+                                         "bytes and its upload's issue aside (measure.subgroup_cost), by "
+                                         "profiles.probe()",
                     "fetch_overhead": "measured: what a streamed block's fetch and release add to forward and backward "
                                       "on the sim, bytes aside (measure.fetch_cost), by profiles.probe()",
                     "pack_overhead": "measured: what a saved tensor's offload and return add to forward and backward "
@@ -472,6 +482,7 @@ def probe(link_bandwidth: float | None = None, nvme_dir: str | None = None, quic
         device_adam_rate=min(adam_rate, one_thread_adam), link_theoretical=link, link_h2d=link, link_d2h=link,
         link_latency=per_copy["latency"], copy_overhead=per_copy["issue"],
         grad_hook_overhead=max(per_grad - per_copy["issue"], 1e-7),
+        subgroup_overhead=max(per_subgroup - per_copy["issue"], 1e-7),
         host_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         fetch_overhead=per_fetch, pack_overhead=per_pack,
         host_bandwidth=host_bw, cpu_adam_rate=cpu_adam, nvme_read=_net(disk["read"], disk["bytes_per_file"],

@@ -181,7 +181,7 @@ def _problem(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capacit
     sizes = pack_sizes(tensor_numels(model), c.subgroup_numel)
     # one subgroup's update on the CPU (Adam and the engine's host passes) and on the device (chapter 5's path)
     mb = value_bytes
-    cpu_s = c.subgroup_numel / hw.cpu_adam_rate + c.subgroup_numel * (
+    cpu_s = hw.subgroup_overhead + c.subgroup_numel / hw.cpu_adam_rate + c.subgroup_numel * (
         stepmodel.ACCUMULATE_BYTES + mb + stepmodel.CLIP_BYTES + stepmodel.ZERO_BYTES + (4 + mb) * (mb != 4)
     ) / hw.host_bandwidth
     device_s = c.subgroup_numel / hw.device_adam_rate + c.subgroup_numel * (

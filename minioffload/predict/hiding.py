@@ -29,8 +29,10 @@ the difference is exposed in the step.
 
 What this is not: a prediction of the step (stepmodel.predict schedules all of it). Each condition is one pair of
 lanes in steady state: it leaves out the first block's fetch, the exposed parts that no setting hides (a delayed
-update's weight upload, the accumulation pass), host DRAM shared between lanes, and the sim, where copies and the
-update run on the cores that compute (`shared_host`: nothing hides there, and these functions refuse it).
+update's weight upload, the accumulation pass), each subgroup's fixed cost in the update (subgroup_overhead: 1% of a
+7B update on the presets at the default subgroups, 6% on gh200's faster CPU), host DRAM shared between lanes, and the
+sim, where copies and the update run on the cores that compute (`shared_host`: nothing hides there, and these
+functions refuse it).
 """
 
 from __future__ import annotations

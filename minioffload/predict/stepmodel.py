@@ -11,7 +11,8 @@ for. A list scheduler (schedule.py) places each operation at the earliest time i
 free. Durations, per operation:
 
     forward  2 N T / (peak x mfu)          backward  4 N T / (peak x mfu)  (+ 2 N T for a recomputed forward)
-    a copy   latency + bytes / link        CPU Adam  n / cpu_adam_rate   other host passes  bytes / host_bandwidth
+    a copy   latency + bytes / link        CPU Adam  subgroup_overhead + n / cpu_adam_rate (per subgroup)
+    other host passes  bytes / host_bandwidth
     disk     per-file cost + bytes / nvme_read or write (one file per subgroup's state, per streamed block)
     a collective  collective_latency + bytes sent / interconnect      device Adam  n / device_adam_rate
     host time on the compute thread: grad_hook_overhead per gradient the engine's hook takes, copy_overhead per
@@ -317,7 +318,8 @@ class _Builder:
             if config.options.speculative:
                 last_cpu = self.host("accumulate grads", ACCUMULATE_BYTES + mb + 4 * config.options.clips, params,
                                      [last_cpu, self.arrived[i]], stream)
-            last_cpu = plan.add(_on("cpu", rank), f"adam {params / 1e6:.2f}M", params / hw.cpu_adam_rate,
+            last_cpu = plan.add(_on("cpu", rank), f"adam {params / 1e6:.2f}M",
+                                hw.subgroup_overhead + params / hw.cpu_adam_rate,
                                 [last_cpu, reads.get(i)], stream=_on(stream, rank),
                                 host_bytes=params * ADAM_BYTES_PER_PARAM)
             rounding = (4 + mb) if mb != 4 else 0  # fp32 master -> 16-bit staging, for the upload

@@ -1,5 +1,5 @@
-"""The per-call costs probe() measures: a streamed block's fetch, a saved tensor's offload, a gradient's hook, a file's
-read and write.
+"""The per-call costs probe() measures: a streamed block's fetch, a saved tensor's offload, a gradient's hook, a
+subgroup's update, a file's read and write.
 
 Each is planted: the runtime's own step made slower by a known sleep per call must show in the measured cost (other
 work on the machine only ever adds to a pass, and each cost is the fastest pass against the fastest pass)."""
@@ -36,6 +36,7 @@ def fast_sim():
     (measure.fetch_cost, ParamStreamer, "_start"),  # once per block fetched
     (measure.pack_cost, Activations, "_pack"),  # once per saved tensor
     (measure.grad_cost, OffloadAdam, "_on_grad"),  # once per gradient
+    (measure.subgroup_cost, OffloadAdam, "_update"),  # once per subgroup updated
 ])
 def test_a_slower_call_shows_in_its_mechanisms_cost(monkeypatch, cost, cls, method):
     with fast_sim() as dev:

@@ -21,8 +21,8 @@ def machine(**changes) -> profiles.Hardware:
     1e9 params/s (1 ms for N), disk 1 GB/s each way; no latency, launch or per-call cost unless asked."""
     figures = dict(device_memory=1e10, device_bandwidth=1e12, peak_flops_bf16=1e11, peak_flops_fp32=1e11,
                    device_adam_rate=1e10, link_theoretical=1e9, link_h2d=1e9, link_d2h=1e9, link_latency=0.0,
-                   copy_overhead=0.0, grad_hook_overhead=0.0, fetch_overhead=0.0, pack_overhead=0.0, host_memory=1e11,
-                   host_bandwidth=1e11,
+                   copy_overhead=0.0, grad_hook_overhead=0.0, subgroup_overhead=0.0, fetch_overhead=0.0,
+                   pack_overhead=0.0, host_memory=1e11, host_bandwidth=1e11,
                    cpu_adam_rate=1e9, nvme_read=1e9, nvme_write=1e9, nvme_read_overhead=0.0, nvme_write_overhead=0.0,
                    cores=8, interconnect=1e9, collective_latency=0.0, gpus_per_node=8)
     figures.update(changes)
@@ -265,16 +265,22 @@ def test_streaming_moves_no_flop():
 
 def test_params_on_device_predicts_what_it_did_before_streaming_existed():
     # values computed by the step model before chapter 8 added params_on (same workloads, same presets)
-    # (with the engine's per-gradient hook cost, added since, at nothing)
+    # (with the engine's per-gradient and per-subgroup costs, added since, at nothing)
     h100_hw = profiles.preset("h100-sxm")
-    no_hooks = h100_hw.replace(grad_hook_overhead=1e-30)
+    no_hooks = h100_hw.replace(grad_hook_overhead=1e-30, subgroup_overhead=1e-30)
     h100 = stepmodel.predict(Workload(7_000_000_000, 8 * 4096, num_tensors=291), no_hooks)
     assert h100.step_s == pytest.approx(10.6452207916231, rel=1e-12)
-    # since issue 32 each of the 291 gradients' hooks takes grad_hook_overhead of the backward's thread
-    hooked = stepmodel.predict(Workload(7_000_000_000, 8 * 4096, num_tensors=291), h100_hw)
+    # each of the 291 gradients' hooks takes grad_hook_overhead of the backward's thread
+    hooked = stepmodel.predict(Workload(7_000_000_000, 8 * 4096, num_tensors=291), no_hooks.replace(
+        grad_hook_overhead=h100_hw.grad_hook_overhead))
     assert hooked.step_s - h100.step_s == pytest.approx(291 * h100_hw.grad_hook_overhead, rel=1e-6)
+    # and each subgroup's update subgroup_overhead of the CPU's (a tensor of 24M elements is a subgroup of its own;
+    # the step is bound by the CPU, so all 291 lengthen it)
+    both = stepmodel.predict(Workload(7_000_000_000, 8 * 4096, num_tensors=291), h100_hw)
+    assert both.bound == "cpu"
+    assert both.step_s - hooked.step_s == pytest.approx(291 * h100_hw.subgroup_overhead, rel=1e-6)
     config = StepConfig(optimizer_on="nvme", max_grad_norm=1.0, subgroup_numel=50_000_000)
-    rtx4090 = profiles.preset("rtx4090").replace(grad_hook_overhead=1e-30)
+    rtx4090 = profiles.preset("rtx4090").replace(grad_hook_overhead=1e-30, subgroup_overhead=1e-30)
     rtx = stepmodel.predict(Workload(1_300_000_000, 4096, "fp32", 150, True), rtx4090, config)
     # since issue 19 the weights go up in one copy per subgroup (5 tensors here): the last upload, which nothing
     # hides, pays 4 fewer latencies and the host issues 4 fewer copies
@@ -290,7 +296,7 @@ def test_params_on_device_predicts_what_it_did_before_streaming_existed():
     # the block structure and the prefetch depth mean nothing while the weights are resident
     layered = stepmodel.predict(Workload(7_000_000_000, 8 * 4096, num_tensors=291, num_layers=32,
                                          resident_params=10**8), profiles.preset("h100-sxm"), StepConfig(prefetch=4))
-    assert layered.step_s == hooked.step_s and layered.fetch_s == 0 and layered.exposed_fetch_fraction == 0
+    assert layered.step_s == both.step_s and layered.fetch_s == 0 and layered.exposed_fetch_fraction == 0
 
 
 def test_workload_of_a_gpt_counts_its_blocks():

@@ -10,7 +10,8 @@ Headline (bench/results/distributed.json), median of 3 runs with their spread:
     step_model_error            |predicted - measured| / measured for the 2-rank step           (target <= 0.2)
 The step model gets this machine's profile (profiles.probe: the sim's link, the host's Adam rate, its per-call
 costs), gloo's fixed cost per collective and bandwidth measured in the same round (gloo.py), and the FLOP/s forward
-and backward reached in the 1-rank run of the same round.
+and backward reached in the 1-rank run of the same round. Every rank of both runs computes on one thread (torchrun's
+setting for several ranks), so that the calibration computes as each rank of the 2-rank run does.
 
     python bench/distributed.py [--quick] [--runs N]
 """
@@ -44,8 +45,10 @@ def run_ranks(ranks: int, steps: int, out_dir: Path) -> dict:
                "train", "--shard", "--device", "sim", "--model", PRESET, "--block-size", str(BLOCK),
                "--batch-size", str(BATCH), "--steps", str(steps), "--eval-every", str(10 * steps),
                "--subgroup-numel", str(SUBGROUP), "--no-progress", "--out-dir", str(out_dir)]
+    # every rank computes on one thread: what torchrun sets for several ranks, set for one rank too, so that the
+    # 1-rank run the model is calibrated on computes as each rank of the 2-rank run does
     done = subprocess.run(command, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                          env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
     if done.returncode != 0:
         raise RuntimeError(f"{ranks}-rank run failed:\n{done.stderr[-3000:]}")
     return json.loads((out_dir / "summary.json").read_text())

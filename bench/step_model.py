@@ -2,11 +2,13 @@
 chapters run.
 
 A small GPT trains on the sim device (2 GB/s link unless a row says otherwise). Each configuration is timed
-for a few steps, interleaved with the others, medians kept. The prediction uses `profiles.probe()` (this
-machine's measured figures) and one calibration: the model FLOP/s utilisation (mfu) of forward + backward,
-measured here on "compute only" contenders (forward and backward, no optimizer; one per model dtype: a CPU runs
-bf16 models at a very different share of its matmul peak) in the same run. Everything
-else (link, CPU Adam, host passes, disk, the overlaps) comes from the profile and the model's rules.
+for a few steps, interleaved with the others, and keeps its fastest step; the device computes on one core
+(COMPUTE_THREADS). Both as bench/plan_accuracy.py does, for the reasons given there: a shared machine only ever
+slows a step down, and a compute thread on every core waits for the cores the host's work holds. The prediction
+uses `profiles.probe()` (this machine's measured figures) and one calibration: the model FLOP/s utilisation (mfu) of
+forward + backward, measured here on "compute only" contenders (forward and backward, no optimizer; one per model
+dtype: a CPU runs bf16 models at a very different share of its matmul peak) in the same run. Everything else (link,
+CPU Adam, host passes, disk, the overlaps) comes from the profile and the model's rules.
 
 Headline (bench/results/step_model.json), over the offloaded configurations (the calibration row excluded):
     median_relative_error   median of |predicted - measured| / measured   (target <= 0.10)
@@ -39,6 +41,7 @@ from minioffload.nvme.swapper import Swapper  # noqa: E402
 from minioffload.predict import stepmodel  # noqa: E402
 
 PRESET, BATCH, BLOCK = "medium", 2, 64
+COMPUTE_THREADS = 1  # the sim device computes on one core; the host's work has the other (see the docstring)
 # name -> (options of OffloadAdam, or None for compute only / "device" for torch's AdamW on the device;
 #          link GB/s, model dtype)
 SETUPS = {
@@ -126,7 +129,7 @@ def one_run(rounds: int) -> tuple[list[dict], dict, profiles.Hardware, stepmodel
             dev.close()
         for swapper in swappers:  # its writes land before the directory goes
             swapper.close()
-    measured = {name: statistics.median(m["wall_s"] for m in rows) for name, rows in results.items()}
+    measured = {name: min(m["wall_s"] for m in rows) for name, rows in results.items()}  # the fastest step
     mfu = {}  # per model dtype: the share of peak FLOP/s forward + backward reach here
     for name in ("compute only", "compute only, bf16"):
         work = works[name]
@@ -156,6 +159,7 @@ def main() -> int:
     parser.add_argument("--runs", type=common.positive(int), default=3,
                         help="independent runs; the headline is their median")
     args = parser.parse_args()
+    torch.set_num_threads(COMPUTE_THREADS)
     rounds, count = (3, 1) if args.quick else (7, args.runs)
     runs = [one_run(rounds) for _ in range(count)]
     rows, _, hw, work = sorted(runs, key=lambda run: run[1]["median_relative_error"])[len(runs) // 2]  # median run

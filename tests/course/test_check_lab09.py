@@ -1,6 +1,7 @@
 """Lab 9 verdicts: right answers pass, plausible mistakes fail with a reason, stubs say TODO."""
 
 import itertools
+import statistics
 
 from grader_harness import assert_passes, mistakes_fail, reference_passes, same_verdict_every_run, stubs_are_todo
 
@@ -160,10 +161,42 @@ def uses_brute_force(problem):
     return brute_force(problem)
 
 
+# Task 9.4 --------------------------------------------------------------------------------------
+
+
+def diagnose_with(*, always=None, fit_noise=False, rate_by_ratio=False, bare=False):
+    """A correct diagnosis, with switches that turn it into one plausible mistake at a time."""
+    def diagnose(hw, runs, predict):
+        counts = [r["subgroups"] for r in runs]
+        gaps = [statistics.median(r["measured_s"]) - r["predicted_s"] for r in runs]
+        spread = max(max(r["measured_s"]) - min(r["measured_s"]) for r in runs)
+        mean_count, mean_gap = statistics.fmean(counts), statistics.fmean(gaps)
+        slope = (sum((c - mean_count) * (g - mean_gap) for c, g in zip(counts, gaps, strict=True))
+                 / sum((c - mean_count) ** 2 for c in counts))
+        per_subgroup = hw.replace(subgroup_overhead=hw.subgroup_overhead + max(slope, 0.0))
+        if rate_by_ratio:  # the whole step's ratio put on the Adam rate
+            slower = hw.replace(cpu_adam_rate=hw.cpu_adam_rate * runs[0]["predicted_s"]
+                                / statistics.median(runs[0]["measured_s"]))
+        else:
+            slower = hw.replace(cpu_adam_rate=1 / (1 / hw.cpu_adam_rate + mean_gap / runs[0]["params"]))
+        fixes = {"per_subgroup_cost": per_subgroup, "cpu_adam_rate": slower, "noise": hw}
+        if always:
+            return always, fixes[always]
+        if slope * (max(counts) - min(counts)) > spread:
+            cause = "per_subgroup_cost"
+        elif abs(mean_gap) > spread:
+            cause = "cpu_adam_rate"
+        else:
+            return ("noise", per_subgroup) if fit_noise else ("noise", hw)
+        return cause if bare else (cause, fixes[cause])
+    return diagnose
+
+
 REFERENCE = {
     "9.1": fits_with(),
     "9.2": tokens_with(),
     "9.3": search_with(),
+    "9.4": diagnose_with(),
 }
 WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("9.1", fits_with(logits_bytes=0), "no logits"),
@@ -208,12 +241,18 @@ WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("9.3", search_with(no_in_flight=True), "in flight: each option in use"),
     ("9.3", search_with(per_block=True), "count blocks per policy instead"),
     ("9.3", uses_brute_force, "called the runtime's `planner.milp.brute_force`"),
+    ("9.4", diagnose_with(always="noise"), "noise does not do that"),
+    ("9.4", diagnose_with(always="cpu_adam_rate"), "a slower Adam would slow them all alike"),
+    ("9.4", diagnose_with(always="per_subgroup_cost"), "a cost per subgroup would grow with the count"),
+    ("9.4", diagnose_with(fit_noise=True), "return it as given"),
+    ("9.4", diagnose_with(rate_by_ratio=True), "the fix must bring every plan within 3%"),
+    ("9.4", diagnose_with(bare=True), "return (cause, profile)"),
 ]
 
 test_reference_passes = reference_passes(REFERENCE)
 test_plausible_mistake_fails_with_a_reason = mistakes_fail(WRONG)
 test_stub_is_todo = stubs_are_todo(REFERENCE)
-test_verdicts_hold_no_timings = same_verdict_every_run(REFERENCE, ("9.1", "9.2", "9.3"))
+test_verdicts_hold_no_timings = same_verdict_every_run(REFERENCE, ("9.1", "9.2", "9.3", "9.4"))
 
 
 def test_the_milp_and_an_answer_with_zero_counts_pass_too():

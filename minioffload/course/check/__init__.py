@@ -30,6 +30,7 @@ from . import (  # noqa: F401
     lab08,
     lab08_fetch,
     lab09,
+    lab09_diagnose,
     lab09_objective,
     lab09_search,
     lab10,

@@ -8,9 +8,10 @@
 
 A gradient leaves the device as soon as it is ready, in its own copy or, with `bucket_numel`, gathered into its
 bucket, which leaves in one copy once full (buckets.py); the device gradient is freed after its copy. With
-`max_in_flight` (bytes; OffloadAdam sets one streamed block's gradients, what the planner counts) the host waits for
-the oldest copies whenever more device gradients than that wait for theirs: a link slower than backward would
-otherwise pile them up on the device until an allocation fails. Copied
+`max_in_flight` (bytes; OffloadAdam sets one streamed block's gradients, or its largest subgroup's) the host waits
+for the oldest copies whenever more device gradients than that wait for theirs: a link (or a GPU) slower than the
+host would otherwise pile them up on the device until an allocation fails. The device then holds at most that and the
+next gradient, made before its hook can wait: what the planner counts. Copied
 gradients are added into the subgroup's fp32 buffer once their copy has landed, so micro-batches accumulate on the
 host, never on the device. The coefficient is 1/scale times the clip factor from the global L2 norm, per-subgroup
 partial sums added in subgroup order; a speculative update (speculative.py) took its subgroups' partial sums and

@@ -66,6 +66,8 @@ updates are refused with a shard (not built for it).
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from .. import layout
@@ -124,8 +126,15 @@ class OffloadAdam(torch.optim.Optimizer):
         self.kept_optimizer, self._kept_groups = _device_optimizer(self.param_groups, self.kept)
         self.packing = Packing(dev, *layout.pack(self.param_groups, options.subgroup_numel, set(self.kept)),
                                streamer=streamer, shard=shard)
-        # streamed: the planner counts one block's gradients on the device (memory.streamed_bytes); copies held to it
-        in_flight = max((block.nbytes for block in streamer.blocks), default=None) if streamer is not None else None
+        # device gradients waiting for their copies to the host, held to what the planner counts: one streamed block's
+        # (memory.streamed_bytes), or the largest subgroup's the CPU updates (planner/search.py's _problem)
+        if streamer is not None:
+            in_flight = max((block.nbytes for block in streamer.blocks), default=None)
+        else:
+            grad_bytes = collections.Counter()
+            for slot in self.packing.slots.values():
+                grad_bytes[id(slot.subgroup)] += slot.numel * slot.param.element_size()
+            in_flight = max((grad_bytes[id(sub)] for sub in self.packing.on_cpu()), default=None)
         self.grads = GradientPath(self.packing, self.loss_scale, self.delayed, in_flight)
         self.weights = WeightUploads(self.packing)
         self.sharded = ShardedSteps(self.packing, self.grads) if shard is not None else None

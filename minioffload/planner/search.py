@@ -15,7 +15,7 @@ candidate is then predicted by stepmodel, and its bytes per tier counted by pred
 
     device   the weights (all, or the streamed window), the engine's device state, the activations held
              (each block's policy, one block's full set in backward, and with an offload policy one block's set
-             on its way to the host), the logits and their gradient
+             on its way to the host), the logits and their gradient, the gradients waiting for their copies
     host     OffloadAdam's pinned bytes (memory.engine_bytes / streamed_bytes), the offloaded activations
     nvme     the swapper's files and the streamed weights' home
 
@@ -166,7 +166,7 @@ def _state_bytes(model: ModelSpec, c: _Config, precision: str, ranks: int = 1) -
 def _problem(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capacity, base: dict, accum: int
              ) -> tuple[Problem, float]:
     """The MILP of one configuration, and the device bytes outside it (the block in backward, the head's inputs, the
-    logits)."""
+    logits, the gradients on their way to the host)."""
     value_bytes = 4 if limits.precision == "fp32" else 2
     block = BlockShape(model.seq_len, c.micro_batch, model.d_model, model.n_head, value_bytes,
                        model.fused_attention)
@@ -179,6 +179,11 @@ def _problem(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capacit
     fixed = block.saved_bytes() + head + LOGIT_BYTES * c.micro_batch * model.seq_len * model.vocab
     host = math.inf if capacity["host"] is None else capacity["host"] - base["host"]
     sizes = pack_sizes(tensor_numels(model), c.subgroup_numel)
+    if c.optimizer_on != "device" and c.params_on == "device" and limits.ranks == 1:
+        # gradients waiting in backward for their copies to the host: OffloadAdam lets at most its largest
+        # subgroup's wait, and the next is made before its hook can wait (engine/gradients.py); streamed plans
+        # count theirs in memory.streamed_bytes
+        fixed += (max(sizes) + max(tensor_numels(model))) * value_bytes
     # one subgroup's update on the CPU (Adam and the engine's host passes) and on the device (chapter 5's path)
     mb = value_bytes
     cpu_s = hw.subgroup_overhead + c.subgroup_numel / hw.cpu_adam_rate + c.subgroup_numel * (

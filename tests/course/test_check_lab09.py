@@ -14,6 +14,7 @@ from minioffload.predict.activation_cost import BlockShape, policy_costs
 
 
 def fits_with(*, logits_bytes=8, head=True, full=True, one_fewer=False, in_flight=True, grads_on_device=False,
+              grads_on_their_way=True,
               offloaded_on_host=True, offloaded_on_device=False, value_bytes=None, nvme_flag=True, streamed=True,
               negative=False, machine=False, nvme_none_is_zero=False):
     """A correct fits(), with switches that turn it into one plausible mistake at a time."""
@@ -38,7 +39,11 @@ def fits_with(*, logits_bytes=8, head=True, full=True, one_fewer=False, in_fligh
         offloaded = cost.link_bytes if policy.startswith("offload") else 0
         held = cost.device_bytes + (offloaded if offloaded_on_device else 0)
         blocks = model.n_layer - 1 if one_fewer else model.n_layer
-        need = {"device": state["device"] + blocks * held + full * block.saved_bytes() + in_flight * offloaded
+        waiting = 0
+        if grads_on_their_way and optimizer_on != "device" and params_on == "device":
+            numels = plan.tensor_numels(model)
+            waiting = (max(plan.pack_sizes(numels, subgroup_numel)) + max(numels)) * mb
+        need = {"device": state["device"] + blocks * held + full * block.saved_bytes() + in_flight * offloaded + waiting
                 + head * 2 * micro_batch * model.seq_len * model.d_model * (value_bytes or mb)
                 + logits_bytes * micro_batch * model.seq_len * model.vocab,
                 "host": state["host"] + model.n_layer * offloaded * (offloaded_on_host and not offloaded_on_device),
@@ -206,6 +211,7 @@ WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("9.1", fits_with(one_fewer=True), "memory.activation_bytes counts"),
     ("9.1", fits_with(in_flight=False), "no set in flight"),
     ("9.1", fits_with(grads_on_device=True), "gradients counted on the device"),
+    ("9.1", fits_with(grads_on_their_way=False), "no gradients on their way"),
     ("9.1", fits_with(offloaded_on_host=False), "left out of host memory"),
     ("9.1", fits_with(offloaded_on_device=True), "offloaded activations counted on the device"),
     ("9.1", fits_with(value_bytes=2), "activations counted at 2 bytes per value"),

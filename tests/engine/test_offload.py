@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 from helpers import HYPER, Toy, batch, fresh, loss_of, on_sim, train
+from torch import nn
 
 from minioffload.devices import device
 from minioffload.engine.optimizer import OffloadAdam
@@ -453,3 +454,28 @@ def test_close_stops_the_update_worker_thread(options, thread):
         assert running >= 1, f"no {thread!r} thread ran: the test would pass without close() stopping it"
         opt.close()
         assert workers() == running - 1
+
+
+def test_a_link_slower_than_backward_holds_gradients_to_one_subgroup_on_the_device():
+    """Gradients wait on the device for their copies to the host; when the link lags (a busy host, a slow bus), at
+    most the largest subgroup's wait at once, and the next one beside them (autograd makes it before its hook can
+    wait), the bytes the planner counts: the host waits for the oldest copies. Without the bound every gradient of
+    the backward piles up."""
+    from minioffload.devices.common import Link
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(8)])  # 16 KiB of gradient per layer
+    slow = Link(bandwidth=2e6)  # 8 ms a gradient: backward runs far ahead of its copies
+    with device("sim", d2h=slow) as dev:
+        opt = OffloadAdam(on_sim(model, dev).parameters(), dev, subgroup_numel=2 * 64 * 64, **HYPER)
+        start = len(dev.ledger.history)
+        model(torch.randn(4, 64)).square().mean().backward()
+        opt.step()
+        held, most = 0, 0
+        for event in dev.ledger.history[start:]:
+            if event.tier == "device" and event.name.startswith("grad"):
+                held += event.delta
+                most = max(most, held)
+    subgroup_bytes, grad_bytes = 2 * 64 * 64 * 4, 64 * 64 * 4
+    assert opt.grads.max_in_flight == subgroup_bytes
+    assert most == subgroup_bytes + grad_bytes < 8 * grad_bytes  # filled by the lagging copies, held by the bound

@@ -215,6 +215,28 @@ def test_plans_run_on_the_sim_within_the_device_memory_they_predict(tmp_path):
         assert math.isfinite(summary["final_train_loss"])
 
 
+def test_a_plan_stays_within_its_device_memory_when_the_copies_to_the_host_lag(tmp_path, monkeypatch):
+    """The device bytes a plan promises hold however far the copies to the host fall behind the host (a busy host
+    slows the sim's stream threads; a slow bus, a GPU's): a plan with every block's activations offloaded and the
+    optimizer on the host, on a device whose D2H link is 20x slower than the sim's and whose copies start late.
+    Gradients waiting for their copies are bounded by the engine and counted by the planner; unbounded, they pile up
+    and this plan runs out of memory in backward."""
+    from minioffload.devices.common import Link
+    from minioffload.train import loop
+
+    made = loop.make_device
+    monkeypatch.setattr(loop, "make_device", lambda kind, **options: made(
+        kind, d2h=Link(bandwidth=100e6), jitter=5e-4, seed=1, **options))
+    spec = ModelSpec.of_preset("medium", 64)
+    fast_link = profiles.preset("laptop").replace(link_h2d=1e12, link_d2h=1e12)  # offloading costs nothing: chosen
+    plans = plan.search(spec, fast_link, plan.Limits(batch=8, device_bytes=64 * MiB, precision="fp32"))
+    p = next(p for p in plans if set(p.activations) == {"offload"} and p.params_on == "device"
+             and p.optimizer_on == "host" and p.micro_batch == 8)
+    config = plan.train_config(p, device="sim", steps=2, eval_every=20, progress=False,
+                               device_memory=int(p.capacity["device"]), out_dir=str(tmp_path / "run"))
+    assert train(config).summary["device_peak_bytes"] <= p.memory["device"], p.describe()
+
+
 def test_train_config_refuses_a_plan_it_cannot_run():
     big = plan.search(ModelSpec.of_params(13e9), profiles.preset("h100-sxm"), plan.Limits(batch=8))[0]
     with pytest.raises(ValueError, match="course's GPT presets"):

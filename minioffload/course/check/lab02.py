@@ -160,9 +160,39 @@ def _run_pipeline(fn: Callable, kernel: Callable, kernel_seconds: float | None, 
     return dev.trace, peak
 
 
+def _wait_named_by(err: HazardError) -> str:
+    """The pipeline's wait whose absence the hazard checker's message describes: what acted, then what it was not
+    ordered after ("the d2h copy ... reads X, which <compute> may still write": d2h_after_compute)."""
+    acted, _, unordered = str(err).partition(", which ")
+    for copy, after_compute, compute_after in (("the d2h copy", "d2h_after_compute", "compute_after_d2h"),
+                                               ("the h2d copy", "h2d_after_compute", "compute_after_h2d")):
+        if copy in acted:
+            return after_compute
+        if copy in unordered:
+            return compute_after
+    return ""
+
+
+def _strict_run(fn: Callable) -> None:
+    """Run fn once on the strict sim, whose hazard checker holds it to a device that runs behind the host: a missing
+    wait raises there in every run, where the jittered trials catch it only when the timing exposes it (not on a
+    busy machine, whose slow host thread lets every copy finish first)."""
+    chunks_in, chunks_out = _host_chunks()
+    try:
+        with sim_device(strict=True) as dev:
+            fn(dev, chunks_in, chunks_out, _double, None)
+            dev.synchronize()
+    except HazardError as err:
+        wait = _wait_named_by(err)
+        hint = f"add the wait {wait!r} ({WAIT_HINT[wait]})" if wait else "a wait is missing"
+        raise AssertionError(f"on a device that runs behind the host, your pipeline lets the streams race: {hint}. "
+                             f"The checker: {err}") from None
+
+
 @grader("2.2", rebuilds=("minioffload.devices.pipeline.overlapped", "minioffload.devices.pipeline.single_buffer"))
 def double_buffered(fn: Callable) -> str:
     """fn(dev, chunks_in, chunks_out, kernel, kernel_seconds): overlapped(..., buffers=2), by hand."""
+    _strict_run(fn)
     trials = 0
     for seed in SEEDS:
         for name, options, kernel in SCENARIOS:
@@ -178,14 +208,15 @@ def double_buffered(fn: Callable) -> str:
     short = [s for s in lanes["compute"] if s.duration < 0.99 * STRUCTURE_KERNEL_SECONDS]  # float rounding
     assert not short, (f"{len(short)} compute spans are shorter than kernel_seconds: pass it on as "
                        "dev.launch(..., duration=kernel_seconds)")
-    assert any(h.overlaps(c) for h in lanes["h2d"] for c in lanes["compute"]), (
-        "results are right, but no H2D copy overlapped any compute: with one stream, or one buffer each way, "
-        "chunk k+1 cannot arrive while chunk k is computed; use separate h2d/compute/d2h streams and two "
-        "buffers each way, and wait only on the events the rules need")
+    # the buffers first: their count does not depend on the timing, the overlap does
     buffers = peak / CHUNK_BYTES
     assert peak <= 4 * CHUNK_BYTES, (
         f"device memory peaked at {buffers:g} chunk buffers; expected at most 4 (two in, two out): allocate "
         "the buffers once, before the loop, and reuse them")
+    assert any(h.overlaps(c) for h in lanes["h2d"] for c in lanes["compute"]), (
+        "results are right, but no H2D copy overlapped any compute: with one stream, or one buffer each way, "
+        "chunk k+1 cannot arrive while chunk k is computed; use separate h2d/compute/d2h streams and two "
+        "buffers each way, and wait only on the events the rules need")
     return (f"{trials} jittered trials correct (slow H2D, slow kernel, slow D2H); h2d overlapped compute; "
             f"peak {buffers:g} buffers")
 

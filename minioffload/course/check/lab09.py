@@ -72,20 +72,22 @@ class Case:
 @dataclasses.dataclass(frozen=True)
 class Parts:
     """The planner's count of one case, in pieces: state per tier, a block's activations under the policy (device,
-    host), an offloaded set in flight, the block in backward, the head's inputs, the logits."""
+    host), an offloaded set in flight, the block in backward, the gradients on their way to the host, the head's
+    inputs, the logits."""
 
     state: dict
     held: float
     offloaded: float
     in_flight: float
     full: float
+    grads: float
     head: float
     logits: float
     n_layer: int
 
     def need(self) -> dict:
-        return {"device": self.state["device"] + self.n_layer * self.held + self.in_flight + self.full + self.head
-                + self.logits,
+        return {"device": self.state["device"] + self.n_layer * self.held + self.in_flight + self.full + self.grads
+                + self.head + self.logits,
                 "host": self.state["host"] + self.n_layer * self.offloaded, "nvme": self.state["nvme"]}
 
 
@@ -100,8 +102,12 @@ def parts(case: Case, precision: str | None = None) -> Parts:
     value_bytes = 4 if limits.precision == "fp32" else 2
     head = plan.HEAD_VALUES * case.micro_batch * case.model.seq_len * case.model.d_model * value_bytes
     in_flight = getattr(option, "in_flight_bytes", 0.0)
-    return Parts(dict(state), option.device_bytes, option.host_bytes, in_flight, outside - logits - head, head,
-                 logits, case.model.n_layer)
+    grads = 0
+    if case.optimizer_on != "device" and case.params_on == "device":
+        sizes = plan.pack_sizes(plan.tensor_numels(case.model), case.subgroup_numel)
+        grads = (max(sizes) + max(plan.tensor_numels(case.model))) * value_bytes
+    return Parts(dict(state), option.device_bytes, option.host_bytes, in_flight, outside - logits - head - grads,
+                 grads, head, logits, case.model.n_layer)
 
 
 @functools.lru_cache(maxsize=1)
@@ -157,6 +163,11 @@ def _mistakes(case: Case, p: Parts) -> list[tuple[str, dict]]:
                 "in backward (BlockShape.saved_bytes(): recomputed, or brought back from the host); "
                 "memory.activation_bytes counts one block fewer, (n_layer - 1) x held + the full set")
     out.append((f"no block in backward: {backward}", _with(p, full=0)))
+    if p.grads:
+        out.append(("no gradients on their way: with the optimizer offloaded and the weights resident, the gradients "
+                    "whose copies to the host have not run yet wait on the device, at most the largest subgroup's "
+                    "(layout.pack_sizes) and the next one the backward makes, the largest tensor's "
+                    "(plan.tensor_numels), at the model's value size", _with(p, grads=0)))
     if p.held and not _same(p.held, p.full):
         out.append((f"one block's held bytes short: {backward}",
                     _with(p, held=p.held * (model.n_layer - 1) / model.n_layer)))
@@ -208,8 +219,8 @@ def _need_hint(case: Case, p: Parts, got: dict, want: dict) -> str:
         flight = f", one set in flight {p.in_flight:,.0f}" if p.in_flight else ""
         return (f"the device holds the state {p.state['device']:,.0f} (weights, and gradients and optimizer state "
                 f"where the placement keeps them), {p.n_layer} blocks x {p.held:,.0f} held under {case.policy!r}"
-                f"{flight}, the block in backward's full set {p.full:,.0f}, the head's inputs {p.head:,.0f} and the "
-                f"logits {p.logits:,.0f}")
+                f"{flight}, the block in backward's full set {p.full:,.0f}, gradients on their way {p.grads:,.0f}, "
+                f"the head's inputs {p.head:,.0f} and the logits {p.logits:,.0f}")
     if tier == "host":
         return (f"pinned host memory holds the offloaded state {p.state['host']:,.0f} and {p.n_layer} blocks x "
                 f"{p.offloaded:,.0f} of offloaded activations")

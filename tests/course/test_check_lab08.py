@@ -1,5 +1,7 @@
 """Lab 8 verdicts: right answers pass, plausible mistakes fail with a reason, stubs say TODO."""
 
+import dataclasses
+
 from grader_harness import mistakes_fail, reference_passes, same_verdict_every_run, stubs_are_todo
 
 # Task 8.1 --------------------------------------------------------------------------------------
@@ -98,7 +100,56 @@ def budget_with(*, times_largest=False, first_only=False, no_self=False, cyclic=
     return lambda: (smallest_budget, check_budget)
 
 
+# Task 8.4 --------------------------------------------------------------------------------------
+
+
+def diagnose_with(*, always=None, profile_as_given=False, link_always=False, tokens_times=None, home_anyway=False,
+                  extra_key=False):
+    """A correct diagnosis, with switches that turn it into one plausible mistake at a time."""
+    def rate(trace, lane):
+        spans = [s for s in trace.on(lane) if s.nbytes]
+        seconds = sum(s.duration for s in spans)
+        return sum(s.nbytes for s in spans) / seconds if seconds else 0.0
+
+    def diagnose_fetch(hw, run, predict):
+        trace, work, config, limits = run["trace"], run["work"], run["config"], run["limits"]
+        link, drive = rate(trace, "h2d"), rate(trace, "nvme_read")
+        if always:
+            cause = always
+        elif link_always:
+            cause = "link"
+        elif drive and drive < 0.8 * hw.nvme_read:
+            cause = "drive"
+        elif link < 0.8 * hw.link_h2d:
+            cause = "link"
+        else:
+            cause = "prefetch"
+        believed = hw if profile_as_given else hw.replace(
+            link_h2d=min(hw.link_h2d, link), nvme_read=min(hw.nvme_read, drive or hw.nvme_read))
+        deepest = limits["max_prefetch"]
+        fixes = [{"prefetch": k} for k in range(1, deepest + 1)]
+        if limits["host_home"] or home_anyway:
+            fixes.append({"params_on": "host", "prefetch": deepest})
+        tokens = work.tokens
+        if tokens_times and cause != "prefetch":  # a jump in tokens, the limit not read
+            return cause, {"tokens": tokens * tokens_times, "prefetch": deepest}
+        while tokens * 2 <= limits["max_tokens"]:
+            tokens *= 2
+            fixes.append({"tokens": tokens, "prefetch": deepest})
+        for fix in fixes:
+            home = fix.get("params_on", config.placement.params_on)
+            tried = predict(believed, dataclasses.replace(work, tokens=fix.get("tokens", work.tokens)),
+                            config.replace(prefetch=fix["prefetch"], params_on=home))
+            if tried.exposed_fetch_s <= 0.04 * tried.step_s:
+                if extra_key:
+                    fix = dict(fix, micro_batch=2)
+                return cause, fix
+        return cause, fixes[-1]
+    return diagnose_fetch
+
+
 REFERENCE = {
+    "8.4": diagnose_with(),
     "8.1": ops_with(),
     "8.2": queue_with(),
     "8.3": budget_with(),
@@ -134,9 +185,16 @@ WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("8.3", budget_with(no_numbers=True), "name the numbers"),
     ("8.3", budget_with(error=RuntimeError), "ParamStreamer refuses a budget with ValueError"),
     ("8.3", budget_with(returns=True), "instead of raising"),
+    ("8.4", diagnose_with(always="prefetch"), "no prefetch depth makes the copies faster"),
+    ("8.4", diagnose_with(link_always=True), "the link is as fast as planned"),
+    ("8.4", diagnose_with(always="drive"), "no block is read from a drive"),
+    ("8.4", diagnose_with(profile_as_given=True), "not as the profile says"),
+    ("8.4", diagnose_with(tokens_times=8), "a micro-batch holds 1 to 16384 tokens"),
+    ("8.4", diagnose_with(home_anyway=True), "this host's memory cannot hold the weights"),
+    ("8.4", diagnose_with(extra_key=True), "a fix may change only"),
 ]
 
 test_reference_passes = reference_passes(REFERENCE)
 test_plausible_mistake_fails_with_a_reason = mistakes_fail(WRONG)
 test_stub_is_todo = stubs_are_todo(REFERENCE)
-test_verdicts_hold_no_timings = same_verdict_every_run(REFERENCE, ("8.1", "8.2", "8.3"))
+test_verdicts_hold_no_timings = same_verdict_every_run(REFERENCE, ("8.1", "8.2", "8.3", "8.4"))

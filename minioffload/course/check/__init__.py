@@ -28,6 +28,7 @@ from . import (  # noqa: F401
     lab07,
     lab07_hooks,
     lab08,
+    lab08_diagnose,
     lab08_fetch,
     lab09,
     lab09_diagnose,

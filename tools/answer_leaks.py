@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 THRESHOLD = 0.8  # a region this close to a function's body, after normalising, is that function's answer
 MIN_TOKENS = 40
 BUILTINS = frozenset(dir(builtins))
-REGION = re.compile(r"^[ \t]*# BEGIN SOLUTION Task (?P<task>\d+\.\d+)[ \t]*\n(?P<body>.*?)^[ \t]*# END SOLUTION",
+REGION = re.compile(r"^[ \t]*# BEGIN SOLUTION Task (?P<task>(?:\d+|C)\.\d+)[ \t]*\n(?P<body>.*?)^[ \t]*# END SOLUTION",
                     re.MULTILINE | re.DOTALL)
 
 

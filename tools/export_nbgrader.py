@@ -28,8 +28,8 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = ROOT / "exercises" / "solutions"
-REGION = re.compile(r"^\s*# BEGIN SOLUTION Task (?P<task>\d+\.\d+)\s*$", re.MULTILINE)
-CHECK = re.compile(r'^check\.task\("(?P<task>\d+\.\d+)",', re.MULTILINE)
+REGION = re.compile(r"^\s*# BEGIN SOLUTION Task (?P<task>(?:\d+|C)\.\d+)\s*$", re.MULTILINE)
+CHECK = re.compile(r'^check\.task\("(?P<task>(?:\d+|C)\.\d+)",', re.MULTILINE)
 
 
 def grade_id(task: str) -> str:

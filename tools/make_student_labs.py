@@ -10,13 +10,14 @@ The student copy replaces each region, markers included, with
 `raise NotImplementedError("Task 1.2")` at the marker's indentation, and drops every output, so
 a learner starts from a clean notebook whose check cells print TODO.
 
-With --book it writes the book's lab pages instead: book/labs/labNN_*.ipynb (git-ignored, made by `make book`
-and `make book-stored`), each a student copy that opens with a block saying what the lab practises, how to open
-it in JupyterLab and where the solutions are, and that Jupyter Book does not execute (`mystnb.execution_mode`).
+With --book it writes the book's lab pages instead: book/labs/labNN_*.ipynb and capstone_*.ipynb (git-ignored, made
+by `make book` and `make book-stored`), each a student copy that opens with a block saying what the lab practises, how
+to open it in JupyterLab and where the solutions are, and that Jupyter Book does not execute (`mystnb.execution_mode`).
 It does not grade anything, and it never edits a solution.
 
 Usage: python tools/make_student_labs.py [--check] [--book] [LAB ...]
-       (--check: exit 1 if a copy is out of date; LAB: solution files or names such as lab02, default: all)
+       (--check: exit 1 if a copy is out of date; LAB: solution files or names such as lab02 or capstone,
+        default: all)
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = ROOT / "exercises" / "solutions"
 BOOK = ROOT / "book"
 BOOK_LABS = BOOK / "labs"
-BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION Task (?P<task>\d+\.\d+)\s*$")
+BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION Task (?P<task>(?:\d+|C)\.\d+)\s*$")
 END = re.compile(r"^\s*# END SOLUTION\s*$")
-TASK_HEADING = re.compile(r"^#{2,3}\s+Task (?P<task>\d+\.\d+)(?P<title>.*)$", re.MULTILINE)
+TASK_HEADING = re.compile(r"^#{2,3}\s+Task (?P<task>(?:\d+|C)\.\d+)(?P<title>.*)$", re.MULTILINE)
 
 
 def strip_solutions(source: str, where: str = "cell") -> str:
@@ -78,11 +79,23 @@ def book_path(solution_path: Path) -> Path:
     return BOOK_LABS / solution_path.name
 
 
-def lab_number(solution_path: Path) -> int:
+CAPSTONE_CHAPTERS = (4, 8, 10)  # the chapters whose pieces the capstone lab puts together
+
+
+def lab_number(solution_path: Path) -> int | None:
+    """NN of labNN_*.ipynb; None for the capstone (capstone_*.ipynb), which goes with several chapters."""
+    if solution_path.name.startswith("capstone_"):
+        return None
     match = re.match(r"lab(\d+)_", solution_path.name)
     if not match:
-        raise ValueError(f"{solution_path.name}: a lab's file name starts with labNN_ (lab01_memory.ipynb)")
+        raise ValueError(f"{solution_path.name}: a lab's file name starts with labNN_ (lab01_memory.ipynb) or "
+                         "capstone_")
     return int(match[1])
+
+
+def _chapter_link(number: int) -> str:
+    chapter = sorted((BOOK / "chapters").glob(f"{number:02d}_*.ipynb"))
+    return f"[Chapter {number}](../chapters/{chapter[0].name})" if chapter else f"Chapter {number}"
 
 
 def tasks_practised(nb: nbformat.NotebookNode) -> list[tuple[str, str]]:
@@ -101,12 +114,17 @@ def book_preamble(solution_path: Path, nb: nbformat.NotebookNode) -> str:
     if not tasks:
         raise ValueError(f"{solution_path.name}: no `## Task N.M: title` heading, so the book page cannot say "
                          "what the lab practises; give each task such a heading")
-    chapter = sorted((BOOK / "chapters").glob(f"{number:02d}_*.ipynb"))
-    companion = f" It goes with [Chapter {number}](../chapters/{chapter[0].name})." if chapter else ""
+    if number is None:
+        chapters = [_chapter_link(n) for n in CAPSTONE_CHAPTERS]
+        whose, companion = "the capstone's", f" It puts together {', '.join(chapters[:-1])} and {chapters[-1]}."
+    else:
+        chapter = sorted((BOOK / "chapters").glob(f"{number:02d}_*.ipynb"))
+        whose = f"Lab {number}'s"
+        companion = f" It goes with {_chapter_link(number)}." if chapter else ""
     lines = [
         "```{admonition} How to work on this lab",
         ":class: tip",
-        f"This page shows Lab {number}'s tasks and the code you start from; nothing on it has been run.{companion}",
+        f"This page shows {whose} tasks and the code you start from; nothing on it has been run.{companion}",
         "The lab practises:",
         "",
         *[f"- **Task {task}**: {title}" for task, title in tasks],
@@ -141,7 +159,7 @@ def book_notebook(solution_path: Path) -> nbformat.NotebookNode:
 
 
 def selected(names: list[str]) -> list[Path]:
-    solutions = sorted(SOLUTIONS.glob("lab*.ipynb"))
+    solutions = sorted(SOLUTIONS.glob("lab*.ipynb")) + sorted(SOLUTIONS.glob("capstone_*.ipynb"))
     if not names:
         return solutions
     chosen = []

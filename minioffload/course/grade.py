@@ -44,8 +44,8 @@ from tqdm import tqdm
 
 from .check import GRADERS
 
-CHECK_CALL = re.compile(r'check\.task\(\s*["\'](?P<task>\d+\.\d+)["\']')
-VERDICT = re.compile(r"^(?P<status>PASS|FAIL|TODO) Task (?P<task>\d+\.\d+):")
+CHECK_CALL = re.compile(r'check\.task\(\s*["\'](?P<task>(?:\d+|C)\.\d+)["\']')
+VERDICT = re.compile(r"^(?P<status>PASS|FAIL|TODO) Task (?P<task>(?:\d+|C)\.\d+):")
 FLAT_NAME = re.compile(r"^(?P<student>.+?)[_\-. ]+lab\d+", re.IGNORECASE)
 STATUSES = ("PASS", "FAIL", "TODO", "ERROR")
 

@@ -123,7 +123,7 @@ def test_task_and_expect_print_exactly_one_line(capsys):
 def solution_lines(min_length: int = 30) -> list[tuple[str, str]]:
     """(lab, line) for every line of code in the labs' solution regions, comments dropped, short lines left out."""
     lines = []
-    for lab in sorted((Path(__file__).resolve().parents[2] / "exercises" / "solutions").glob("lab*.ipynb")):
+    for lab in sorted((Path(__file__).resolve().parents[2] / "exercises" / "solutions").glob("*.ipynb")):
         for cell in json.loads(lab.read_text())["cells"]:
             for region in "".join(cell["source"]).split("# BEGIN SOLUTION")[1:]:
                 for line in region.split("# END SOLUTION")[0].splitlines()[1:]:

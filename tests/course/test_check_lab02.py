@@ -1,13 +1,14 @@
 """Lab 2 verdicts: right answers pass, plausible mistakes fail with a reason, stubs say TODO."""
 
 import itertools
+import re
 import threading
 
 import pytest
 from grader_harness import mistakes_fail, reference_passes, same_verdict_every_run, stubs_are_todo
 
 from minioffload.course import check
-from minioffload.course.check import lab02, lab02_pool
+from minioffload.course.check import lab02, lab02_diagnose, lab02_pool
 from minioffload.devices import pipeline
 
 
@@ -139,7 +140,32 @@ def counts_spans_not_lanes(spans):
     return many_busy / any_busy if any_busy else 0.0
 
 
+def diagnose_with(*, hazard_is=None, slow_is=None, host_lane_ignored=False, peak_ignored=False, waits=None,
+                  streams=3, buffers=None, pinned=True, extra_key=False):
+    """A correct answer to Task 2.6, with switches that turn it into one plausible mistake at a time."""
+    def diagnose_pipeline(run):
+        if run["error"]:
+            later, earlier = (int(k) for k in re.findall(r"'(?:h2d|compute|d2h) (\d+)'", run["error"])[:2])
+            cause = hazard_is or ("data_wait" if later == earlier else "reuse_wait")
+            return cause, {"waits": set(pipeline.WAITS) if waits is None else waits}
+        trace, chunk = run["trace"], run["chunk_bytes"]
+        if slow_is:
+            cause = slow_is
+        elif trace.on("host") and not host_lane_ignored:
+            cause = "pageable"
+        elif run["peak_bytes"] <= 2 * chunk and not peak_ignored:
+            cause = "one_buffer"
+        else:
+            cause = "shared_stream"
+        room = run["limits"]["device_bytes"] // (2 * chunk)
+        fix = {"pageable": {"pinned": pinned}, "shared_stream": {"streams": streams},
+               "one_buffer": {"buffers": buffers or min(2, room)}}.get(cause, {"buffers": 2})
+        return cause, dict(fix, kernel_seconds=0.0) if extra_key else fix
+    return diagnose_pipeline
+
+
 REFERENCE = {
+    "2.6": diagnose_with(),
     "2.1": SlotPool,
     "2.2": overlapped_2,
     "2.3": needed_waits,
@@ -174,12 +200,25 @@ WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("2.5", lambda n, b, h, c, d: n * (h + c + d) + 1.0, "longer than running every op one after another"),
     ("2.5", lambda n, b, h, c, d: pipeline_makespan(n, b + 1, h, c, d), "expected"),
     ("2.5", lambda n, b, h, c, d: n * max(h, c, d), "a rule that makes an op wait is missing"),
+    ("2.6", diagnose_with(hazard_is="data_wait"), "two chunks that share a buffer"),
+    ("2.6", diagnose_with(hazard_is="reuse_wait"), "the checker names chunk 0 twice"),
+    ("2.6", diagnose_with(slow_is="data_wait"), "with no HazardError"),
+    ("2.6", diagnose_with(host_lane_ignored=True), "blocked the host"),
+    ("2.6", diagnose_with(peak_ignored=True), "H2D copies overlapped a D2H copy"),
+    ("2.6", diagnose_with(slow_is="one_buffer"), "yet no two of the device's spans overlapped"),
+    ("2.6", diagnose_with(slow_is="pageable"), "the host chunks are pinned"),
+    ("2.6", diagnose_with(waits={"compute_after_h2d", "d2h_after_compute"}), "still stops at a hazard"),
+    ("2.6", diagnose_with(streams=2), "0 of its 8 H2D copies overlap a compute"),
+    ("2.6", diagnose_with(pinned=False), "16 copies block the host"),
+    ("2.6", diagnose_with(buffers=3), "the device holds 4"),
+    ("2.6", diagnose_with(pinned="yes"), "True or False"),
+    ("2.6", diagnose_with(extra_key=True), "a fix may change only"),
 ]
 
 test_reference_passes = reference_passes(REFERENCE, built_on_the_runtime=("2.2",))
 test_plausible_mistake_fails_with_a_reason = mistakes_fail(WRONG, built_on_the_runtime=("2.2",))
 test_stub_is_todo = stubs_are_todo(REFERENCE)
-test_verdicts_hold_no_timings = same_verdict_every_run(REFERENCE, ("2.2", "2.3"), built_on_the_runtime=("2.2",))
+test_verdicts_hold_no_timings = same_verdict_every_run(REFERENCE, ("2.2", "2.3", "2.6"), built_on_the_runtime=("2.2",))
 
 
 @pytest.mark.parametrize("wait", sorted(pipeline.WAITS))
@@ -235,3 +274,20 @@ def test_the_strict_simulator_needs_the_reuse_rules_exactly_when_a_buffer_is_reu
         for buffers in range(1, 6):
             assert set(lab02.needed_by_hazards(num_chunks, buffers)) == needed_waits(num_chunks, buffers)
 
+
+
+def test_the_diagnosis_grader_s_model_time_is_the_sims_schedule():
+    # the fix is graded in model time, worked out: it must be the rules' schedule (Task 2.5's, for three streams
+    # and pinned chunks) and a floor under what the sim takes (a busy machine only makes the sim later)
+    for case in lab02_diagnose.CASES:
+        for buffers in (1, 2, 3):
+            settings = {**lab02_diagnose.HEALTHY, "buffers": buffers}
+            copy = lab02_diagnose.LINK.seconds(lab02_diagnose.CHUNK_BYTES)
+            assert lab02_diagnose.model_time(settings, case) == pytest.approx(lab02.scheduled_makespan(
+                case.num_chunks, buffers, copy, lab02_diagnose.kernel_seconds(case), copy))
+        broken = {**lab02_diagnose.HEALTHY, **case.broken}
+        if case.cause in ("pageable", "shared_stream", "one_buffer"):
+            slower = lab02_diagnose.model_time(broken, case) / lab02_diagnose.perfect_s(case)
+            assert slower > lab02_diagnose.TARGET, (case, slower)  # the broken settings miss the target
+            _, trace, _ = lab02_diagnose._run(broken, case, strict=False)
+            assert lab02_diagnose.run_time(trace) >= 0.99 * lab02_diagnose.model_time(broken, case), case

@@ -64,8 +64,34 @@ def numpy_passes(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, 
                       weight_decay=weight_decay)
 
 
+def diagnose_with(*, moments_ignored=False, decay_guessed=False, bf16_ignored=False, uniform_is=None,
+                  small_is=None, fixes=None):
+    """A correct answer to Task 3.6, with switches that turn it into one plausible mistake at a time."""
+    def diagnose_adam(run):
+        ours, theirs = run["ours"], run["torch"]
+
+        def differs(*keys):
+            return any(not np.array_equal(o[k], t[k]) for o, t in zip(ours, theirs, strict=True) for k in keys)
+
+        if decay_guessed and run["hyper"]["weight_decay"] and differs("param"):
+            cause = "l2_decay"
+        elif not differs("param", "exp_avg", "exp_avg_sq"):
+            cause = "bias_step" if bf16_ignored else "truncation"
+        elif differs("exp_avg", "exp_avg_sq") and not moments_ignored:
+            cause = "l2_decay"
+        else:
+            g, p0 = run["grads"][0], run["p0"]
+            ratio = np.abs(ours[0]["param"] - p0) / np.abs(theirs[0]["param"] - p0)
+            uniform = np.median(ratio[np.abs(g) < 1e-5]) > 0.5 * np.median(ratio[np.abs(g) > 1e-2])
+            cause = (uniform_is or "bias_step") if uniform else (small_is or "eps_inside")
+        fix = {"bias_step": {"bias_step": 0}, "eps_inside": {"eps": "outside"}, "l2_decay": {"decay": "decoupled"},
+               "truncation": {"rounding": "nearest_even"}}[cause]
+        return cause, (fixes or {}).get(cause, fix)
+    return diagnose_adam
+
+
 REFERENCE = {"3.1": step_constants, "3.2": adam_element, "3.3": to_bf16_bits, "3.4": BYTES.__getitem__,
-             "3.5": adamw_fused}
+             "3.5": adamw_fused, "3.6": diagnose_with()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,13 +192,25 @@ WRONG = [  # (task, function, a phrase the verdict must contain)
     ("3.5", _kernel(numba.prange, decoupled=False), "applied weight decay the Adam way"),
     ("3.5", _kernel(numba.prange, bias_correction=False), "left out the bias corrections"),
     ("3.5", lambda *args: adamw_fused(*args) or args[0].copy(), "return None"),
+    ("3.6", diagnose_with(moments_ignored=True), "the bias corrections and eps act after the moments"),
+    ("3.6", diagnose_with(decay_guessed=True), "a decay added to the gradient would change both moments"),
+    ("3.6", diagnose_with(bf16_ignored=True), "only the bf16 copies differ"),
+    ("3.6", diagnose_with(uniform_is="eps_inside"), "every weight's by about the same factor"),
+    ("3.6", diagnose_with(small_is="bias_step"), "a step count off by one would not do"),
+    ("3.6", diagnose_with(small_is="l2_decay"), "weight_decay is 0 here"),
+    ("3.6", diagnose_with(fixes={"truncation": {"rounding": "nearest"}}), "one of ('nearest_even', 'truncate')"),
+    ("3.6", diagnose_with(fixes={"bias_step": {"bias_step": -1}}), "divide by 1 - beta**0 = 0"),
+    ("3.6", diagnose_with(fixes={"bias_step": {"bias_step": 1}}), "the update is still not torch's"),
+    ("3.6", diagnose_with(fixes={"l2_decay": {"decay": "decoupled", "eps": "inside"}}), "still not torch's"),
+    ("3.6", diagnose_with(fixes={"eps_inside": {"eps": "outside", "eps_value": 0.0}}), "a fix may change only"),
 ]
 
 
 test_reference_passes = reference_passes(REFERENCE)
 test_plausible_mistake_fails_with_a_reason = mistakes_fail(WRONG)
 test_stub_is_todo = stubs_are_todo(REFERENCE)
-test_verdicts_are_the_same_on_every_run = same_verdict_every_run(REFERENCE, ("3.1", "3.2", "3.3", "3.4"))  # 3.5 times
+test_verdicts_are_the_same_on_every_run = same_verdict_every_run(  # 3.5 times
+    REFERENCE, ("3.1", "3.2", "3.3", "3.4", "3.6"))
 
 
 def test_any_nan_pattern_is_accepted_for_a_nan():

@@ -171,11 +171,54 @@ def link_bytes_per_step(num_params, model_dtype):
     return 2 * num_params * torch.empty(0, dtype=model_dtype).element_size()
 
 
+# Task 4.5 --------------------------------------------------------------------------------------
+
+def diagnose_with(*, order=None, drop_loop_clip_only=False, delay_one_later=False, fewer_micro_batches=False,
+                  returns_list=False):
+    """A correct diagnosis, with switches that turn it into one plausible mistake at a time. `order`: read the
+    settings only, and blame the first odd one in this order, whether or not it changed anything."""
+    def diagnose_drift(recipe, run):
+        s, steps = run["settings"], len(run["losses"])
+        pairs = zip(run["losses"], run["torch_losses"], strict=True)
+        parted = next(i for i, (a, b) in enumerate(pairs) if abs(a - b) > 1e-5)
+        odd = {"stale": s["delay_updates_after"] is not None,
+               "accumulation": s["zero_grad"] == "each micro-batch",
+               "clipping": s["max_grad_norm"] != recipe["max_norm"]}
+        if order:
+            cause = next(c for c in order if odd[c])
+        elif odd["stale"] and s["delay_updates_after"] + 1 == parted < steps:
+            cause = "stale"
+        elif odd["accumulation"] and recipe["micro_batches"] > 1:
+            cause = "accumulation"
+        else:
+            cause = "clipping"
+        if cause == "stale":
+            fix = {"delay_updates_after": s["delay_updates_after"] + 1 if delay_one_later else None}
+        elif cause == "accumulation":
+            fix = {"zero_grad": "each step"}
+            if fewer_micro_batches:
+                fix["micro_batches"] = 1
+        else:
+            fix = {"clip_in_loop": False} if drop_loop_clip_only else {"clip_in_loop": False,
+                                                                        "max_grad_norm": recipe["max_norm"]}
+        return [cause, fix] if returns_list else (cause, fix)
+    return diagnose_drift
+
+
+def diagnose_keeping_the_delay(recipe, run):
+    """Another right answer: a delayed update that begins with the last step sends its weights at flush() in time."""
+    cause, fix = diagnose_with()(recipe, run)
+    if cause == "stale":
+        fix = {"delay_updates_after": recipe["steps"] - 1}
+    return cause, fix
+
+
 REFERENCE = {
     "4.1": make_grad_hook,
     "4.2": update_and_upload,
     "4.3": clip_coefficient,
     "4.4": link_bytes_per_step,
+    "4.5": diagnose_with(),
 }
 WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("4.1", hook_with(record=False), "where the event should be"),
@@ -207,17 +250,25 @@ WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("4.4", lambda num_params, dtype: num_params * torch.empty(0, dtype=dtype).element_size(), "one direction"),
     ("4.4", lambda num_params, dtype: num_params * (4 + torch.empty(0, dtype=dtype).element_size()),
      "fp32 master copy never leaves"),
+    ("4.5", diagnose_with(order=("clipping", "stale", "accumulation")), "it scaled no gradient"),
+    ("4.5", diagnose_with(order=("accumulation", "stale", "clipping")), "there is nothing to accumulate"),
+    ("4.5", diagnose_with(order=("stale", "accumulation", "clipping")), "no forward ran on weights it left behind"),
+    ("4.5", diagnose_with(drop_loop_clip_only=True), "the run still parts from torch's"),
+    ("4.5", diagnose_with(delay_one_later=True), "the run still parts from torch's"),
+    ("4.5", diagnose_with(fewer_micro_batches=True), "a fix may change only"),
+    ("4.5", diagnose_with(returns_list=True), "return (cause, fix)"),
 ]
 
 
 test_reference_passes = reference_passes(REFERENCE)
 test_plausible_mistake_fails_with_a_reason = mistakes_fail(WRONG)
 test_stub_is_todo = stubs_are_todo(REFERENCE)
-test_verdicts_hold_no_timings = same_verdict_every_run(REFERENCE, ("4.1", "4.2"))
+test_verdicts_hold_no_timings = same_verdict_every_run(REFERENCE, ("4.1", "4.2", "4.5"))
 
 
-@pytest.mark.parametrize("task_id, fn", [("4.1", hook_in_another_order), ("4.2", upload_one_behind)],
-                         ids=["hook-in-another-order", "upload-one-behind"])
+@pytest.mark.parametrize("task_id, fn", [("4.1", hook_in_another_order), ("4.2", upload_one_behind),
+                                         ("4.5", diagnose_keeping_the_delay)],
+                         ids=["hook-in-another-order", "upload-one-behind", "diagnose-keeping-the-delay"])
 def test_another_order_of_calls_that_satisfies_the_properties_passes(task_id, fn):
     assert_passes(task_id, fn)
 

@@ -13,7 +13,7 @@ from grader_harness import (
 )
 
 from minioffload import layout, options
-from minioffload.course.check import lab05
+from minioffload.course.check import lab05, lab05_diagnose
 from minioffload.course.check.lab05 import GEN4, GEN5
 from minioffload.predict import hybrid_split
 
@@ -137,7 +137,55 @@ def best_stride(cpu_rate, bandwidth=GEN5):
     return hybrid_split.nearest_stride(hybrid_split.best_split(cpu_rate, hybrid_split.link_rate(bandwidth))["fraction"])
 
 
+# Task 5.5 --------------------------------------------------------------------------------------
+
+FIGURES = {"cpu": ("cpu_adam_rate",), "link": ("link_h2d", "link_d2h"), "device": ("device_adam_rate",)}
+
+
+def lane_busy(trace, cause):
+    """Seconds the spans of `cause`'s half of the update ran (the same reading the lab's example shows)."""
+    return lab05_diagnose.busy(trace, cause)
+
+
+def diagnose_with(*, always=None, profile_as_given=False, plain_ratio=False, one_notch=False, all_resident=False,
+                  both=False):
+    """A correct diagnosis, with switches that turn it into one plausible mistake at a time."""
+    def diagnose_split(hw, run, predict):
+        split = run["split"]
+        slowed = {cause: lane_busy(run["trace"], cause) / lane_busy(run["planned_trace"], cause)
+                  for cause in FIGURES if lane_busy(run["planned_trace"], cause)}
+        cause = always or max(slowed, key=slowed.get)
+        if cause not in slowed:  # a wrong guess about a lane this split does not use
+            return cause, split
+        if one_notch:  # moved one step the right way, without measuring how far
+            if "stride" in split:
+                return cause, {"stride": max(1, split["stride"] + (-1 if cause == "cpu" else 1))}
+            return cause, {"gpu_fraction": split["gpu_fraction"] + (0.1 if cause == "cpu" else -0.1)}
+        if all_resident:
+            return cause, {"gpu_fraction": 1.0}
+        if both:
+            return cause, {"gpu_fraction": 0.1, "stride": 2}
+        factor = 1.0
+        if not profile_as_given:
+            figures = FIGURES[cause]
+            planned, measured = lane_busy(run["planned_trace"], cause), lane_busy(run["trace"], cause)
+            if plain_ratio:  # the whole span taken as the figure's: its fixed part scaled too
+                factor = planned / measured
+            else:  # the part of each span that does not depend on the figure, from a model with it very fast
+                fast = hw.replace(**{f: getattr(hw, f) * 1e6 for f in figures})
+                fixed = lane_busy(predict(fast, split).trace, cause)
+                factor = (planned - fixed) / (measured - fixed)
+        believed = hw.replace(**{f: getattr(hw, f) * factor for f in FIGURES[cause]})
+        count = len(run["work"].subgroups(lab05_diagnose.SUBGROUP_NUMEL))
+        limit = run["limits"]["max_gpu_fraction"]
+        splits = [{}, *({"stride": k} for k in range(1, 9)),
+                  *({"gpu_fraction": k / count} for k in range(1, count + 1) if k / count <= limit)]
+        return cause, min(splits, key=lambda s: predict(believed, s).step_s)
+    return diagnose_split
+
+
 REFERENCE = {
+    "5.5": diagnose_with(),
     "5.1": layout.device_subgroups,
     "5.2": split_with(),
     "5.3": update_streamed,
@@ -173,6 +221,14 @@ WRONG = [  # (task, plausible mistake, what the verdict must mention)
      "closest share"),
     ("5.4", lambda cpu_rate, bandwidth=GEN4: best_stride(cpu_rate, bandwidth), "PCIe Gen5"),
     ("5.4", lambda cpu_rate, bandwidth=GEN5: float(best_stride(cpu_rate, bandwidth)), "as an int"),
+    ("5.5", diagnose_with(always="cpu"), "the CPU's Adam spans took"),
+    ("5.5", diagnose_with(always="link"), "the streamed state's copies took"),
+    ("5.5", diagnose_with(always="device"), "the device's Adam spans took"),
+    ("5.5", diagnose_with(profile_as_given=True), "not as the profile says"),
+    ("5.5", diagnose_with(plain_ratio=True), "longer than the best split within the limits"),
+    ("5.5", diagnose_with(one_notch=True), "longer than the best split within the limits"),
+    ("5.5", diagnose_with(all_resident=True), "holds resident state for at most"),
+    ("5.5", diagnose_with(both=True), "not both"),
 ]
 
 
@@ -183,7 +239,7 @@ def best_split_fraction(cpu_rate, bandwidth):
 test_reference_passes = reference_passes(REFERENCE)
 test_plausible_mistake_fails_with_a_reason = mistakes_fail(WRONG)
 test_stub_is_todo = stubs_are_todo(REFERENCE)
-test_verdicts_hold_no_timings = same_verdict_every_run(REFERENCE, ("5.2", "5.3"))
+test_verdicts_hold_no_timings = same_verdict_every_run(REFERENCE, ("5.2", "5.3", "5.5"))
 
 
 @pytest.mark.parametrize("mistake, reason", MISSING_WAITS, ids=["no-free-wait", "free-after-adam", "no-arrived-wait",

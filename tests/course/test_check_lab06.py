@@ -271,11 +271,60 @@ def bytes_per_tier(num_params, precision="mixed_bf16", placement="optimizer_nvme
     return {tier: fp.bytes(num_params, tier) for tier in memory.TIERS}
 
 
+# Task 6.5 --------------------------------------------------------------------------------------
+
+def diagnose_with(*, always=None, per_file_ignored=False, profile_as_given=False, cpu_when_few_threads=False,
+                  drives_anyway=False, subgroup_times=None, all_cores=False, extra_key=False):
+    """A correct diagnosis, with switches that turn it into one plausible mistake at a time."""
+    def measured(trace, lane, per_file):
+        end = max(s.end for s in trace.spans)
+        spans = [s for s in trace.on(lane) if s.nbytes and 0 < s.start < s.end < end]  # none cut by the step's ends
+        return sum(s.nbytes for s in spans) / sum(s.duration - per_file for s in spans)
+
+    def diagnose_drive(hw, run, predict):
+        trace, settings, limits, work = run["trace"], run["settings"], run["limits"], run["work"]
+        drives = settings["drives"]
+        read = measured(trace, "nvme_read", 0 if per_file_ignored else hw.nvme_read_overhead)
+        write = measured(trace, "nvme_write", 0 if per_file_ignored else hw.nvme_write_overhead)
+        drive_s = sum(s.duration for lane in ("nvme_read", "nvme_write") for s in trace.on(lane))
+        adam_s = sum(s.duration for s in trace.on("cpu") if s.name.startswith("adam"))
+        if always:
+            cause = always
+        elif cpu_when_few_threads and settings["threads"] <= 2:
+            cause = "cpu"
+        elif read < 0.8 * drives * hw.nvme_read or write < 0.8 * drives * hw.nvme_write:
+            cause = "drive"
+        elif adam_s > drive_s:
+            cause = "cpu"
+        else:
+            cause = "commits"
+        if drives_anyway:
+            return cause, {"drives": drives + 1}
+        if subgroup_times:
+            return cause, {"subgroup_numel": settings["subgroup_numel"] * subgroup_times}
+        if all_cores and cause == "cpu":
+            return cause, {"threads": hw.cores}
+        believed = hw if profile_as_given else hw.replace(nvme_read=min(hw.nvme_read, read / drives),
+                                                          nvme_write=min(hw.nvme_write, write / drives))
+        size = settings["subgroup_numel"]
+        sizes = [size * 2 ** k for k in range(40) if size * 2 ** k <= limits["max_subgroup_numel"]]
+        for d in range(drives, limits["drives"] + 1):
+            for t in range(settings["threads"], limits["threads"] + 1):
+                for n in sizes:
+                    tried = {"subgroup_numel": n, "drives": d, "threads": t}
+                    if predict(believed, work, tried).step_s <= 0.97 * run["target_s"]:
+                        fix = {k: v for k, v in tried.items() if v != settings[k]}
+                        return cause, dict(fix, nvme_buffers=4) if extra_key else fix
+        return cause, {}
+    return diagnose_drive
+
+
 REFERENCE = {
     "6.1": block_io_with(),
     "6.2": commit,
     "6.3": pipelined_update,
     "6.4": bytes_per_tier,
+    "6.5": diagnose_with(),
 }
 WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("6.1", block_io_with(write_mistake={"pad": False}), "bounce buffer"),
@@ -308,6 +357,16 @@ WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("6.4", lambda n, precision="mixed_bf16": bytes_per_tier(n, precision, "optimizer_cpu"), "ZeRO-Offload"),
     ("6.4", lambda n, precision="fp32": bytes_per_tier(n, precision), "default precision"),
     ("6.4", lambda n, precision="mixed_bf16": {"device": bytes_per_tier(n, precision)["device"]}, "three tiers"),
+    ("6.5", diagnose_with(always="drive"), "moves bytes as fast as planned"),
+    ("6.5", diagnose_with(always="cpu"), "the update waits for the drive"),
+    ("6.5", diagnose_with(always="commits"), "fewer files would save at most that"),
+    ("6.5", diagnose_with(per_file_ignored=True), "with each file's fixed cost taken off"),
+    ("6.5", diagnose_with(cpu_when_few_threads=True), "the CPU (2 threads of 16) keeps up"),
+    ("6.5", diagnose_with(profile_as_given=True), "not as the profile says"),
+    ("6.5", diagnose_with(drives_anyway=True), "the machine has 1 drive(s) for the state"),
+    ("6.5", diagnose_with(subgroup_times=64), "host memory holds the working sets"),
+    ("6.5", diagnose_with(all_cores=True), "the job may use 12 cores"),
+    ("6.5", diagnose_with(extra_key=True), "a fix may change only"),
 ]
 
 

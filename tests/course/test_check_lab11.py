@@ -14,7 +14,7 @@ from grader_harness import assert_passes, mistakes_fail, reference_passes, same_
 
 import minioffload.course.check.lab11  # noqa: F401  (registers Tasks 11.1 to 11.4)
 from minioffload.course import check
-from minioffload.course.check import lab11, lab11_latest, lab11_paths
+from minioffload.course.check import lab11, lab11_diagnose, lab11_latest, lab11_paths
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -217,7 +217,37 @@ def order_with(**mistake):
     return fn
 
 
-REFERENCE = {"11.1": commit_with(), "11.2": latest_with(), "11.3": assign_with(), "11.4": order_with()}
+# Task 11.5 -------------------------------------------------------------------------------------
+
+def diagnose_with(*, always=None, tolerance=0.0, pick="newest repeating"):
+    """A right diagnosis, with switches that turn it into one plausible mistake at a time."""
+    def diagnose_resume(folder, run):
+        log, resume = run["log"], run["resume"]
+
+        def repeats(path):  # None: the loader refused it
+            try:
+                got = resume(path)
+            except (OSError, ValueError):
+                return None
+            return all(abs(got[s] - log[s]) <= tolerance for s in got)
+
+        chosen = repeats(run["chosen"])
+        cause = always or ("corrupt" if chosen is None else "stale" if chosen else "mixed")
+        steps = sorted((int(p.name[4:]), p) for p in folder.iterdir() if STEP.fullmatch(p.name))
+        if pick == "complete":  # Task 11.2's answer: a manifest, and every listed file with its size
+            return cause, latest_complete(folder)
+        if pick == "checksums":  # what load_latest takes: the newest whose bytes match their checksums
+            return cause, next(p for _, p in reversed(steps) if (p / "MANIFEST.json").exists()
+                               and not lab11_diagnose.bad_checksums(p))
+        if pick == "name":
+            return cause, folder.name
+        order = steps if pick == "oldest repeating" else reversed(steps)
+        return cause, next(p for _, p in order if repeats(p))
+    return diagnose_resume
+
+
+REFERENCE = {"11.1": commit_with(), "11.2": latest_with(), "11.3": assign_with(), "11.4": order_with(),
+             "11.5": diagnose_with()}
 WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("11.1", commit_with(replace=False), "os.replace it over MANIFEST.json"),
     ("11.1", commit_with(tmp_fsync=False), "fsync the temporary file"),
@@ -257,6 +287,14 @@ WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("11.4", order_with(cold_start=False), "at step 0 nothing is in host memory"),
     ("11.4", order_with(clamp=False), "a count is never negative"),
     ("11.4", order_with(reads="forward"), "what the same order every step reads"),
+    ("11.5", diagnose_with(always="stale"), "the run leaves its log"),
+    ("11.5", diagnose_with(always="corrupt"), "matches its checksum"),
+    ("11.5", diagnose_with(always="mixed"), "does not match the checksum written for it"),
+    ("11.5", diagnose_with(tolerance=1e-2), "not 'stale': resumed from step00000006, the run leaves its log"),
+    ("11.5", diagnose_with(pick="complete"), "resuming from step00000008 fails"),
+    ("11.5", diagnose_with(pick="checksums"), "resumed from step00000008, the run is not the one that crashed"),
+    ("11.5", diagnose_with(pick="oldest repeating"), "redoes 4 steps it need not"),
+    ("11.5", diagnose_with(pick="name"), "return the step directory to resume from"),
 ]
 
 test_reference_passes = reference_passes(REFERENCE)
@@ -334,7 +372,7 @@ def solution_lines(min_length=25):
 
 
 def test_no_lab11_grader_holds_a_line_of_the_solution():
-    graded = {line.split("#")[0].strip() for module in (lab11, lab11_latest, lab11_paths)
+    graded = {line.split("#")[0].strip() for module in (lab11, lab11_diagnose, lab11_latest, lab11_paths)
               for line in inspect.getsource(module).splitlines()}
     shared = [line for line in solution_lines() if line in graded]
     assert solution_lines() and not shared, f"a Lab 11 grader holds the solution's line {shared[:1]}"

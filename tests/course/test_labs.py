@@ -40,6 +40,20 @@ def test_there_is_a_lab_with_at_least_three_tasks():
         assert len(set(CHECK_CALL.findall(sources))) >= 3, solution.name
 
 
+def test_every_lab_from_lab_2_has_a_graded_diagnosis_task():
+    """A task headed "## Task N.M (diagnosis): ..." whose check cell grades it, in every lab from Lab 2 on."""
+    from minioffload.course.check import GRADERS
+
+    heading = re.compile(r"^#{2,3}\s+Task (\d+\.\d+) \(diagnosis\)", re.MULTILINE)
+    for solution in SOLUTIONS:
+        if solution.name.startswith("lab01"):
+            continue
+        cells = nbformat.read(solution, as_version=4).cells
+        diagnoses = {t for c in cells if c.cell_type == "markdown" for t in heading.findall(c.source)}
+        checked = {t for c in cells if c.cell_type == "code" for t in CHECK_CALL.findall(c.source)}
+        assert diagnoses & checked & set(GRADERS), f"{solution.name} has no graded diagnosis task"
+
+
 def test_student_copies_are_up_to_date():
     result = subprocess.run([sys.executable, "tools/make_student_labs.py", "--check"], cwd=ROOT,
                             capture_output=True, text=True)

@@ -1,0 +1,1 @@
+"""Grader for Lab 10's diagnosis task (to be written)."""

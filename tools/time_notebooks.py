@@ -53,7 +53,18 @@ MINUTES_PER_CODE_CELL = 0.5  # reading a code cell and its output
 MINUTES_PER_SOLUTION_LINE = 2  # writing one line of a task's answer, with the thinking it takes
 MINUTES_PER_CHECK_ROUND = 10  # running a task's check, reading a FAIL and fixing it, once
 
-CHECK_CALL = re.compile(r'check\.task\("(\d+\.\d+)"')
+CHECK_CALL = re.compile(r'check\.task\("((?:\d+|C)\.\d+)"')  # labs' tasks N.M, the capstone's C.M
+
+
+def lab_solutions() -> list[Path]:
+    """The lab solutions in the order a learner meets them: Labs 1 to 11, then the capstone."""
+    return sorted(SOLUTIONS.glob("lab*.ipynb")) + sorted(SOLUTIONS.glob("capstone_*.ipynb"))
+
+
+def task_order(task: str) -> tuple[float, int]:
+    """Sort key of a task id: by lab, the capstone's (C.M) last."""
+    lab, number = task.split(".")
+    return (float("inf") if lab == "C" else int(lab), int(number))
 
 
 def counts(path: Path) -> dict:
@@ -186,7 +197,7 @@ def render_tasks(results: dict | None) -> str:
     lines = ["| task | what it asks | kind | its cells execute in (s) | answer (lines of code) | "
              "learner's time (estimate, min) |", "| --- | --- | --- | --- | --- | --- |"]
     for row in results["rows"]:
-        for task, t in sorted(row.get("task_rows", {}).items(), key=lambda kv: tuple(map(int, kv[0].split(".")))):
+        for task, t in sorted(row.get("task_rows", {}).items(), key=lambda kv: task_order(kv[0])):
             sec = t["seconds"]
             lines.append(f"| {task} | {t['title']} | {t['kind']} | {sec['median']:.1f} [{sec['min']:.1f}, "
                          f"{sec['max']:.1f}] | {t['solution_lines']} | {task_minutes(t):.0f} |")
@@ -242,13 +253,13 @@ def headline(rows: list[dict]) -> dict:
 def merged(old: dict, new: dict) -> dict:
     """`old` with the rows `new` measured again put in their place (in the order of notebooks on disk)."""
     rows = {r["notebook"]: r for r in old["rows"]} | {r["notebook"]: r for r in new["rows"]}
-    rows = [rows[name] for name in sorted(rows, key=lambda n: (not n.startswith("book"), n))]
+    rows = [rows[name] for name in sorted(rows, key=lambda n: (not n.startswith("book"), "capstone" in n, n))]
     return {**new, "rows": rows, "headline": headline(rows)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("notebooks", nargs="*", type=Path, help="default: book/chapters/*.ipynb and the lab solutions")
+    parser.add_argument("notebooks", nargs="*", type=Path, help="default: book/chapters/*.ipynb, the lab solutions and the capstone's")
     parser.add_argument("--repeat", type=positive(int), default=3, help="runs of each notebook (default 3)")
     parser.add_argument("--timeout", type=positive(int), default=600, help="seconds per cell (default 600)")
     parser.add_argument("--out", type=Path, default=OUT, help=f"default {OUT.relative_to(ROOT)}")
@@ -256,7 +267,7 @@ def main() -> int:
     parser.add_argument("--page-only", action="store_true", help="rewrite the page's table from --out, run nothing")
     args = parser.parse_args()
     if not args.page_only:
-        notebooks = args.notebooks or sorted(CHAPTERS.glob("*.ipynb")) + sorted(SOLUTIONS.glob("lab*.ipynb"))
+        notebooks = args.notebooks or sorted(CHAPTERS.glob("*.ipynb")) + lab_solutions()
         missing = [str(p) for p in notebooks if not p.is_file()]
         if missing:
             raise ValueError(f"no such notebook: {', '.join(missing)}")

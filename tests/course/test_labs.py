@@ -13,8 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 from make_student_labs import strip_solutions, student_path  # noqa: E402
 
-SOLUTIONS = sorted((ROOT / "exercises" / "solutions").glob("lab*.ipynb"))
-CHECK_CALL = re.compile(r'check\.task\("(\d+\.\d+)"')
+SOLUTIONS = sorted((ROOT / "exercises" / "solutions").glob("lab*.ipynb")) + sorted(
+    (ROOT / "exercises" / "solutions").glob("capstone_*.ipynb"))
+CHECK_CALL = re.compile(r'check\.task\("((?:\d+|C)\.\d+)"')  # labs' tasks N.M, the capstone's C.M
 
 
 def verdicts(path: Path, execute: bool = True) -> dict[str, str]:
@@ -46,7 +47,7 @@ def test_every_lab_from_lab_2_has_a_graded_diagnosis_task():
 
     heading = re.compile(r"^#{2,3}\s+Task (\d+\.\d+) \(diagnosis\)", re.MULTILINE)
     for solution in SOLUTIONS:
-        if solution.name.startswith("lab01"):
+        if solution.name.startswith(("lab01", "capstone_")):  # the capstone: one design built from the labs
             continue
         cells = nbformat.read(solution, as_version=4).cells
         diagnoses = {t for c in cells if c.cell_type == "markdown" for t in heading.findall(c.source)}

@@ -56,7 +56,7 @@ def test_the_instructors_page_shows_the_times_the_tool_measured():
     assert tool.OUT.exists(), f"{tool.OUT.relative_to(ROOT)} is missing: run `python tools/time_notebooks.py`"
     results = json.loads(tool.OUT.read_text())
     timed = sorted(row["notebook"] for row in results["rows"])
-    wanted = sorted(str(p.relative_to(ROOT)) for p in [*tool.CHAPTERS.glob("*.ipynb"), *tool.SOLUTIONS.glob("lab*")])
+    wanted = sorted(str(p.relative_to(ROOT)) for p in [*tool.CHAPTERS.glob("*.ipynb"), *tool.lab_solutions()])
     assert timed == wanted, "the times are not for every chapter and lab: run `python tools/time_notebooks.py`"
     assert tool.page_table(tool.PAGE) == tool.render(results), (
         "book/instructors.md's table is not the JSON's: run `python tools/time_notebooks.py --page-only`")

@@ -83,9 +83,9 @@ def export(course: Path, labs: list[Path]) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("course", type=Path, help="the nbgrader course folder to write (made if missing)")
-    parser.add_argument("labs", nargs="*", help="labs to export (lab01 or a solution's path), default: all")
+    parser.add_argument("labs", nargs="*", help="labs to export (lab01, capstone or a solution's path), default: all")
     args = parser.parse_args()
-    every = sorted(SOLUTIONS.glob("lab*.ipynb"))
+    every = sorted(SOLUTIONS.glob("lab*.ipynb")) + sorted(SOLUTIONS.glob("capstone_*.ipynb"))
     chosen = [s for s in every if not args.labs or any(s.stem.startswith(Path(a).stem[:5]) for a in args.labs)]
     if not chosen:
         print(f"no lab matches {args.labs}; the labs are {', '.join(s.stem for s in every)}", file=sys.stderr)

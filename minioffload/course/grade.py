@@ -10,7 +10,8 @@ Where the student's name comes from (the two layouts may be mixed in one folder)
     SUBMISSIONS_DIR/alice/lab01_memory.ipynb     a notebook in a folder: the student is the first folder below
                                                  SUBMISSIONS_DIR (any deeper folders are ignored)
     SUBMISSIONS_DIR/alice_lab01_memory.ipynb     a notebook directly in SUBMISSIONS_DIR: the student is the file's
-                                                 stem up to `_labNN` ("alice"), or the whole stem if it has none
+                                                 stem up to `_labNN` or `_capstone` ("alice"), or the whole
+                                                 stem if it has none
 
 A notebook's lab is read from its check cells (`check.task("1.2", fn)`), not from its file name. Each notebook
 is executed from the top in its own folder by a fresh `python3` kernel, as "Run All" does: it stops at the first
@@ -46,7 +47,7 @@ from .check import GRADERS
 
 CHECK_CALL = re.compile(r'check\.task\(\s*["\'](?P<task>(?:\d+|C)\.\d+)["\']')
 VERDICT = re.compile(r"^(?P<status>PASS|FAIL|TODO) Task (?P<task>(?:\d+|C)\.\d+):")
-FLAT_NAME = re.compile(r"^(?P<student>.+?)[_\-. ]+lab\d+", re.IGNORECASE)
+FLAT_NAME = re.compile(r"^(?P<student>.+?)[_\-. ]+(?:lab\d+|capstone)", re.IGNORECASE)
 STATUSES = ("PASS", "FAIL", "TODO", "ERROR")
 
 
@@ -69,8 +70,10 @@ class Graded:
     note: str = ""
 
 
-def task_key(task_id: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in task_id.split("."))
+def task_key(task_id: str) -> tuple[int, int]:
+    """Tasks by lab, the capstone's (C.M) after every lab's."""
+    lab, number = task_id.split(".")
+    return (10**6 if lab == "C" else int(lab), int(number))
 
 
 def student_of(path: Path, folder: Path) -> str:

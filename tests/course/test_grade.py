@@ -111,10 +111,17 @@ def test_verdicts_before_the_failing_cell_count():
     ("alice/week1/lab01_memory.ipynb", "alice"),
     ("bob_lab01_memory.ipynb", "bob"),
     ("bob-smith_lab10_distributed.ipynb", "bob-smith"),
+    ("dana_capstone_zero3.ipynb", "dana"),
     ("carol.ipynb", "carol"),
 ])
 def test_student_names(relative, student, tmp_path):
     assert grade.student_of(tmp_path / relative, tmp_path) == student
+
+
+def test_the_capstone_s_tasks_sort_after_every_lab_s():
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell('check.task("C.1", f)\ncheck.task("10.2", g)')])
+    tasks = grade.lab_tasks(nb)
+    assert tasks.index("10.2") < tasks.index("C.1") and tasks[-1].startswith("C."), tasks
 
 
 def test_a_missing_folder_is_a_clear_error_naming_it(tmp_path, capsys):

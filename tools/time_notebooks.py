@@ -259,7 +259,8 @@ def merged(old: dict, new: dict) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("notebooks", nargs="*", type=Path, help="default: book/chapters/*.ipynb, the lab solutions and the capstone's")
+    parser.add_argument("notebooks", nargs="*", type=Path,
+                        help="default: book/chapters/*.ipynb, the lab solutions and the capstone's")
     parser.add_argument("--repeat", type=positive(int), default=3, help="runs of each notebook (default 3)")
     parser.add_argument("--timeout", type=positive(int), default=600, help="seconds per cell (default 600)")
     parser.add_argument("--out", type=Path, default=OUT, help=f"default {OUT.relative_to(ROOT)}")

@@ -1,5 +1,7 @@
 """Lab 10 verdicts: right answers pass, plausible mistakes fail with a reason, stubs say TODO; the ranks' stand-in
-(lab10_ranks.ThreadGroup) behaves as torch.distributed's calls do."""
+(lab10_ranks.ThreadGroup) behaves as torch.distributed's calls do; Task 10.4's cases are what its statement says."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from grader_harness import (
     stubs_are_todo,
 )
 
-import minioffload.course.check.lab10  # noqa: F401  (registers Tasks 10.1 to 10.3)
+import minioffload.course.check.lab10  # noqa: F401  (registers Tasks 10.1 to 10.3; the package, 10.4)
 from minioffload.course.check.lab10_ranks import CollectiveMismatch, ThreadGroup
 
 # Task 10.1 -------------------------------------------------------------------------------------
@@ -110,8 +112,58 @@ def gather_with(*, wait=True, collective="all_gather", upload=True, slot="mine",
     return gather_block
 
 
+# Task 10.4 -------------------------------------------------------------------------------------
+
+
+def diagnose_with(*, always=None, naive_rate=False, profile_as_given=False, recipe=False, subgroups_only=False,
+                  tokens_over=False, numel_over=False, extra_key=False, bare=False):
+    """A correct diagnosis, with switches that turn it into one plausible mistake at a time."""
+    def diagnose_ranks(hw, run, predict):
+        trace, work, config, limits = run["trace"], run["work"], run["config"], run["limits"]
+        spans = trace.on("net")
+        fixed = min(s.duration for s in spans if not s.nbytes)  # the norm's all-reduce: no bytes, the fixed cost
+        moved = [s for s in spans if s.nbytes]
+        seconds = sum(s.duration - (0.0 if naive_rate else fixed) for s in moved)
+        rate = sum(s.nbytes for s in moved) / seconds
+        links = run["rank_link_bytes"]
+        if always:
+            cause = always
+        elif fixed > 2 * hw.collective_latency and not naive_rate:
+            cause = "latency"
+        elif rate < hw.interconnect / 2:
+            cause = "interconnect"
+        elif max(links) > 1.2 * min(links):
+            cause = "imbalance"
+        else:
+            cause = "latency"
+        if bare:
+            return cause
+        if recipe:  # one fix per cause, whatever the case
+            return cause, {"latency": {"subgroup_numel": 1 << 26}, "imbalance": {"subgroup_numel": 1 << 22},
+                           "interconnect": {"tokens": limits["max_tokens"]}}[cause]
+        if tokens_over and cause == "interconnect":
+            return cause, {"tokens": 2 * limits["max_tokens"]}
+        if numel_over and cause == "latency":
+            return cause, {"subgroup_numel": 1 << 30}
+        believed = hw if profile_as_given else hw.replace(collective_latency=fixed, interconnect=rate)
+        low, high = limits["min_subgroup_numel"], limits["max_subgroup_numel"]
+        sizes = [1 << e for e in range(20, 29) if low <= 1 << e <= high]
+        tokens = [work.tokens] if subgroups_only else [work.tokens, limits["max_tokens"]]
+
+        def tokens_per_s(numel, t):
+            step = predict(believed, dataclasses.replace(work, tokens=t), config.replace(subgroup_numel=numel))
+            return t / step.step_s
+
+        numel, t = max(((n, t) for n in sizes for t in tokens), key=lambda pair: tokens_per_s(*pair))
+        fix = {"subgroup_numel": numel, "tokens": t}
+        if extra_key:
+            fix["ranks"] = 8
+        return cause, fix
+    return diagnose_ranks
+
+
 LARGEST = "largest first"
-REFERENCE = {"10.1": owners_with(order=LARGEST), "10.2": reduce_with(), "10.3": gather_with()}
+REFERENCE = {"10.1": owners_with(order=LARGEST), "10.2": reduce_with(), "10.3": gather_with(), "10.4": diagnose_with()}
 WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("10.1", owners_with(), "that is the engine's map, the subgroups taken in their given order"),
     ("10.1", owners_with(key="round robin"), "round robin"),
@@ -136,12 +188,23 @@ WRONG = [  # (task, plausible mistake, what the verdict must mention)
     ("10.3", gather_with(upload=False), "a collective takes tensors on the rank's own device"),
     ("10.3", gather_with(collective="broadcast", slot="mirrored"), "the all-gather's rank order"),
     ("10.3", gather_with(whole=False), "expected the whole padded block"),
+    ("10.4", diagnose_with(always="imbalance"), "the ranks own even shares"),
+    ("10.4", diagnose_with(always="interconnect"), "each of the 585 collectives pays that fixed cost"),
+    ("10.4", diagnose_with(naive_rate=True), "each of the 585 collectives pays that fixed cost"),
+    ("10.4", diagnose_with(always="latency"), "the bytes are slow, not the count"),
+    ("10.4", diagnose_with(profile_as_given=True), "check a fix with what the trace measured"),
+    ("10.4", diagnose_with(recipe=True), "82% of the plan's 107,090 (at least 90%)"),
+    ("10.4", diagnose_with(subgroups_only=True), "case 2 (interconnect, rightly)"),
+    ("10.4", diagnose_with(tokens_over=True), "at most 32768 tokens"),
+    ("10.4", diagnose_with(numel_over=True), "the run takes subgroups of 1,048,576 to 268,435,456 elements"),
+    ("10.4", diagnose_with(extra_key=True), "a fix may change only"),
+    ("10.4", diagnose_with(bare=True), "return (cause, fix)"),
 ]
 
 test_reference_passes = reference_passes(REFERENCE)
 test_plausible_mistake_fails_with_a_reason = mistakes_fail(WRONG)
 test_stub_is_todo = stubs_are_todo(REFERENCE)
-test_verdicts_hold_no_timings = same_verdict_every_run(REFERENCE, ("10.1", "10.2", "10.3"))
+test_verdicts_hold_no_timings = same_verdict_every_run(REFERENCE, ("10.1", "10.2", "10.3", "10.4"))
 
 
 def test_one_broadcast_per_rank_is_a_right_gather_too():

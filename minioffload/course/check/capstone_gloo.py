@@ -21,7 +21,6 @@ What this is not: a launcher (torchrun is), a model of the network's time, or as
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ...devices.hazards import HazardError
-from .lab10_ranks import TIMEOUT_S, Comm, PeerFailed, ThreadGroup, _Call, _Rendezvous
+from .lab10_ranks import TIMEOUT_S, Comm, ThreadGroup, _Call, _Rendezvous
 
 __all__ = ["GlooComm", "GlooGroup"]
 
@@ -108,34 +107,16 @@ class GlooGroup(ThreadGroup):
         self._runs = 0
 
     def run(self, fn: Callable, timeout_s: float = TIMEOUT_S) -> list:
-        """fn(rank, comm) on every rank at once; returns the results in rank order, or raises the first rank's
-        error (a rank's own error before one that only stopped because of it)."""
+        """fn(rank, comm) on every rank at once, each rank with a gloo process group of its own for this run; returns
+        the results in rank order, or raises the first rank's error (as ThreadGroup.run)."""
         self._runs += 1
-        store = dist.PrefixStore(f"run {self._runs}", self._store)
-        rendezvous = _Rendezvous(self, timeout_s)
-        results: list = [None] * self.world
-        errors: dict[int, BaseException] = {}
+        self._run_store = dist.PrefixStore(f"run {self._runs}", self._store)
+        self._timeout_s = timeout_s
+        return super().run(fn, timeout_s)
 
-        def rank_main(rank: int) -> None:
-            try:
-                gloo = dist.ProcessGroupGloo(store, rank, self.world, timedelta(seconds=timeout_s))
-                results[rank] = fn(rank, GlooComm(self, rendezvous, rank, gloo))
-            except BaseException as err:
-                errors[rank] = err
-                rendezvous.leave(rank, f"raised {type(err).__name__}")
-            else:
-                rendezvous.leave(rank, "returned")
-
-        threads = [threading.Thread(target=rank_main, args=(r,), name=f"gloo rank {r}", daemon=True)
-                   for r in range(self.world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            first = [errors[r] for r in sorted(errors) if not isinstance(errors[r], PeerFailed)]
-            raise (first or [errors[min(errors)]])[0]
-        return results
+    def _comm(self, rendezvous: _Rendezvous, rank: int) -> GlooComm:
+        gloo = dist.ProcessGroupGloo(self._run_store, rank, self.world, timedelta(seconds=self._timeout_s))
+        return GlooComm(self, rendezvous, rank, gloo)
 
     def _do(self, calls: list[_Call]) -> None:
         """Every rank has arrived with the same call: count what it will deliver (gloo moves the bytes after)."""

@@ -226,7 +226,7 @@ class ThreadGroup:
 
         def rank_main(rank: int) -> None:
             try:
-                results[rank] = fn(rank, Comm(self, rendezvous, rank))
+                results[rank] = fn(rank, self._comm(rendezvous, rank))
             except BaseException as err:
                 errors[rank] = err
                 rendezvous.leave(rank, f"raised {type(err).__name__}")
@@ -243,6 +243,10 @@ class ThreadGroup:
             first = [errors[r] for r in sorted(errors) if not isinstance(errors[r], PeerFailed)]
             raise (first or [errors[min(errors)]])[0]
         return results
+
+    def _comm(self, rendezvous: _Rendezvous, rank: int) -> Comm:
+        """What rank `rank` calls its collectives on during one run (built on that rank's thread)."""
+        return Comm(self, rendezvous, rank)
 
     def _do(self, calls: list[_Call]) -> None:
         """Run one collective for every rank (on the thread of the last rank to arrive; the others wait)."""

@@ -1,109 +1,136 @@
 """Lab 9 verdicts: right answers pass, plausible mistakes fail with a reason, stubs say TODO."""
 
+import functools
 import itertools
 import statistics
 
 from grader_harness import assert_passes, mistakes_fail, reference_passes, same_verdict_every_run, stubs_are_todo
 
+from minioffload.layout import STATE_BYTES_PER_PARAM, device_subgroups
 from minioffload.planner import search as plan
 from minioffload.planner.milp import Solution, brute_force, solve
+from minioffload.planner.plan import Plan
 from minioffload.predict import memory, stepmodel
-from minioffload.predict.activation_cost import BlockShape, policy_costs
+from minioffload.predict.activation_cost import POLICIES, BlockShape, policy_costs
 
 # Task 9.1 --------------------------------------------------------------------------------------
 
 
-def fits_with(*, logits_bytes=8, head=True, full=True, one_fewer=False, in_flight=True, grads_on_device=False,
-              grads_on_their_way=True,
-              offloaded_on_host=True, offloaded_on_device=False, value_bytes=None, nvme_flag=True, streamed=True,
-              negative=False, machine=False, nvme_none_is_zero=False):
-    """A correct fits(), with switches that turn it into one plausible mistake at a time."""
-    def fits(model, hw, limits, *, optimizer_on, params_on, micro_batch, policy, prefetch=0, subgroup_numel=1 << 22):
-        precision = limits.precision
-        mb = 4 if precision == "fp32" else 2
-        nvme = optimizer_on == "nvme" and nvme_flag
-        if optimizer_on == "device":
-            state = {"device": memory.footprint(precision, "adam", "device").bytes(model.num_params, "device"),
-                     "host": 0, "nvme": 0}
-        elif params_on == "device" or not streamed:
-            state = memory.engine_bytes(plan.tensor_numels(model), precision, optimizer_on="nvme" if nvme else "host",
-                                        subgroup_numel=subgroup_numel)
-        else:
-            state = memory.streamed_bytes(model.num_params, model.n_layer, model.resident_params, params_on,
-                                          prefetch, precision, nvme=nvme, subgroup_numel=subgroup_numel)
-        state = dict(state)
-        if grads_on_device and optimizer_on != "device":
-            state["device"] += model.num_params * mb
-        block = BlockShape(model.seq_len, micro_batch, model.d_model, model.n_head, value_bytes or mb)
-        cost = policy_costs(block, hw)[policy]
-        offloaded = cost.link_bytes if policy.startswith("offload") else 0
-        held = cost.device_bytes + (offloaded if offloaded_on_device else 0)
-        blocks = model.n_layer - 1 if one_fewer else model.n_layer
-        waiting = 0
-        if grads_on_their_way and optimizer_on != "device" and params_on == "device":
-            numels = plan.tensor_numels(model)
-            waiting = (max(plan.pack_sizes(numels, subgroup_numel)) + max(numels)) * mb
-        need = {"device": state["device"] + blocks * held + full * block.saved_bytes() + in_flight * offloaded + waiting
-                + head * 2 * micro_batch * model.seq_len * model.d_model * (value_bytes or mb)
-                + logits_bytes * micro_batch * model.seq_len * model.vocab,
-                "host": state["host"] + model.n_layer * offloaded * (offloaded_on_host and not offloaded_on_device),
-                "nvme": state["nvme"]}
+def needs(model, hw, limits, optimizer_on, params_on, micro_batch, policy, prefetch, subgroup_numel, *,
+          logits=True, grads_waiting=True, backward_block=True):
+    """Bytes per tier, counted as the planner counts them (switches leave one part out)."""
+    precision = limits.precision
+    value_bytes = 4 if precision == "fp32" else 2
+    if optimizer_on == "device":
+        state = {"device": memory.footprint(precision, "adam", "device").bytes(model.num_params, "device"),
+                 "host": 0, "nvme": 0}
+    elif params_on == "device":
+        state = memory.engine_bytes(plan.tensor_numels(model), precision, optimizer_on=optimizer_on,
+                                    subgroup_numel=subgroup_numel)
+    else:
+        state = memory.streamed_bytes(model.num_params, model.n_layer, model.resident_params, params_on, prefetch,
+                                      precision, nvme=optimizer_on == "nvme", subgroup_numel=subgroup_numel)
+    block = BlockShape(model.seq_len, micro_batch, model.d_model, model.n_head, value_bytes)
+    cost = policy_costs(block, hw)[policy]
+    offloaded = cost.link_bytes if policy.startswith("offload") else 0
+    waiting = 0
+    if grads_waiting and optimizer_on != "device" and params_on == "device":
+        numels = plan.tensor_numels(model)
+        waiting = (max(plan.pack_sizes(numels, subgroup_numel)) + max(numels)) * value_bytes
+    head = plan.HEAD_VALUES * micro_batch * model.seq_len * model.d_model * value_bytes
+    logit_bytes = plan.LOGIT_BYTES * micro_batch * model.seq_len * model.vocab if logits else 0
+    device = (state["device"] + model.n_layer * cost.device_bytes + offloaded + waiting + head + logit_bytes
+              + block.saved_bytes() * backward_block)
+    return {"device": device, "host": state["host"] + model.n_layer * offloaded, "nvme": state["nvme"]}
+
+
+@functools.cache
+def step_of(model, hw, limits, optimizer_on, params_on, micro_batch, policy, prefetch, subgroup_numel):
+    """plan.step_seconds of a one-policy configuration (cached: the answers below try the same ones)."""
+    p = Plan(model, hw.name, limits.precision, micro_batch, limits.batch // micro_batch, optimizer_on, params_on,
+             (policy,) * model.n_layer, prefetch, subgroup_numel)
+    return plan.step_seconds(p, hw, limits)
+
+
+HOME_PAIRS = (("device", "device"), ("host", "device"), ("host", "host"), ("nvme", "device"), ("nvme", "host"),
+              ("nvme", "nvme"))
+
+
+def configure_with(*, logits=True, grads_waiting=True, backward_block=True, host_tier=True, micro_batch=None,
+                   shape=dict):
+    """A right configure(): every configuration, counted, the fastest that fits; switches make one mistake each."""
+    def configure(model, hw, limits):
         capacity = limits.capacity(hw)
-        if machine:
-            capacity = {"device": hw.device_memory, "host": hw.host_memory, "nvme": capacity["nvme"]}
-        if nvme_none_is_zero:
-            capacity = {t: 0 if v is None else v for t, v in capacity.items()}
-        short = {t: 0 if capacity[t] is None else need[t] - capacity[t] if negative else max(0, need[t] - capacity[t])
-                 for t in need}
-        return need, short
-    return fits
+        if not host_tier:
+            capacity = {**capacity, "host": None}
+        pairs = [h for h in HOME_PAIRS if capacity["nvme"] != 0 or "nvme" not in h]
+        micros = [micro_batch] if micro_batch else [m for m in range(1, limits.batch + 1) if limits.batch % m == 0]
+        best, best_speed = None, 0.0
+        for (optimizer_on, params_on), micro, policy in itertools.product(pairs, micros, POLICIES):
+            for prefetch, numel in itertools.product((1, 3) if params_on != "device" else (0,),
+                                                     plan.subgroup_sizes(model)):
+                config = {"optimizer_on": optimizer_on, "params_on": params_on, "micro_batch": micro,
+                          "policy": policy, "prefetch": prefetch, "subgroup_numel": numel}
+                need = needs(model, hw, limits, **config, logits=logits, grads_waiting=grads_waiting,
+                             backward_block=backward_block)
+                if any(capacity[t] is not None and need[t] > capacity[t] for t in need):
+                    continue
+                speed = limits.batch * model.seq_len / step_of(model, hw, limits, *config.values())
+                if speed > best_speed:
+                    best, best_speed = config, speed
+        return shape(best.items()) if shape is dict else tuple(best.values())
+    return configure
 
 
 # Task 9.2 --------------------------------------------------------------------------------------
 
-def tokens_with(*, accumulate=True, repeat=False, policies_once=False, no_policies=False, no_overhead=False,
-                first_overhead=True, max_on_shared=False, sum_on_gpu=False, hooks=True, fetches=True, fetch_costs=True,
-                clip=True, whole_batch=False, seconds=False, one_micro_batch=False):
-    def tokens_per_s(p, hw, limits):
+def bound_with(*, chain=True, hooks=True, hybrid=True, shared_adds=True, total=False, compute_only=False,
+               seconds_and_lane=False):
+    """A right lower bound, with switches that turn it into one plausible mistake at a time."""
+    def step_bound(p, hw, limits):
         model, accum = p.model, p.grad_accum
         mb = 4 if p.precision == "fp32" else 2
-        tokens = p.micro_batch * model.seq_len * (accum if whole_batch else 1)
-        work = stepmodel.Workload(model.num_params, tokens, p.precision, model.num_tensors,
-                                  num_layers=model.n_layer, resident_params=model.resident_params)
-        config = p.step_config(limits.mfu).replace(max_grad_norm=1.0 if clip else None)
-        one = stepmodel.predict(work, hw, config).step_s
-        overhead = 0 if no_overhead else model.n_layer * limits.block_overhead_s
-        costs = policy_costs(BlockShape(model.seq_len, p.micro_batch, model.d_model, model.n_head, mb), hw,
-                             limits.mfu)
-        policies = 0 if no_policies else sum(costs[a].extra_s for a in p.activations) * (1 if policies_once else accum)
-        compute = 6 * model.num_params * p.micro_batch * model.seq_len / (hw.peak_flops(p.precision) * limits.mfu)
-        compute += overhead
-        if p.optimizer_on == "device":
-            more = compute
-        else:
-            compute += model.num_tensors * (hw.grad_hook_overhead + hw.copy_overhead) * hooks
-            summed = model.num_params * (stepmodel.ACCUMULATE_BYTES + mb) / hw.host_bandwidth
-            moves = [model.num_params * mb / hw.link_d2h, summed]
-            if p.params_on != "device" and fetches:
-                count, block = plan.streamed_fetches(model.n_layer, p.prefetch), model.block_params * mb
-                tensors = max(1, round(model.num_tensors * model.block_params / model.num_params))
-                compute += count * hw.fetch_overhead * fetch_costs
-                moves.append(count * (tensors * hw.link_latency * fetch_costs + block / hw.link_h2d))
-                if p.params_on == "nvme":
-                    moves.append(count * (hw.nvme_read_overhead * fetch_costs + block / hw.nvme_read))
-            shared = (hw.shared_host and not max_on_shared) or sum_on_gpu
-            more = compute + summed if shared else max(compute, *moves)
-        first = overhead if first_overhead else 0
-        if repeat:
-            step = accum * (one + first) + policies
-        elif whole_batch:
-            step = one + first + policies
-        else:
-            step = one + first + policies + (accum - 1) * more * accumulate
-        if seconds:
-            return step
-        return p.micro_batch * (1 if one_micro_batch else accum) * model.seq_len / step
-    return tokens_per_s
+        n = model.num_params
+        block = BlockShape(model.seq_len, p.micro_batch, model.d_model, model.n_head, mb, model.fused_attention)
+        costs = policy_costs(block, hw, limits.mfu)
+        fb = 6 * n * p.micro_batch * model.seq_len / (hw.peak_flops(p.precision) * limits.mfu)
+        outside = model.n_layer * limits.block_overhead_s + sum(costs[a].extra_s for a in p.activations)
+        if p.optimizer_on == "device" or compute_only:
+            return accum * (fb + outside) + (n / hw.device_adam_rate if p.optimizer_on == "device" else 0)
+        streamed = p.params_on != "device"
+        groups = model.workload(p.micro_batch * model.seq_len, p.precision).subgroups(p.subgroup_numel)
+        on_device = set().union(*device_subgroups(len(groups), p.gpu_fraction if hybrid else None))
+        cpu_groups = [g for i, g in enumerate(groups) if i not in on_device]
+        cpu_params = sum(params for params, _ in cpu_groups)
+        block_tensors = max(1, round(model.num_tensors * model.block_params / n))
+        hooked = model.n_layer * block_tensors if streamed else sum(tensors for _, tensors in cpu_groups)
+        fetches = plan.streamed_fetches(model.n_layer, p.prefetch) if streamed else 0
+        fb += (hooked * (hw.grad_hook_overhead + hw.copy_overhead) if hooks else 0) + fetches * hw.fetch_overhead
+        d2h = (model.n_layer * model.block_params if streamed else cpu_params) * mb / hw.link_d2h
+        fetched = fetches * model.block_params * mb / hw.link_h2d
+        passes = stepmodel.ACCUMULATE_BYTES + mb + stepmodel.CLIP_BYTES + stepmodel.ZERO_BYTES + (4 + mb) * (mb != 4)
+        update = (len(cpu_groups) * hw.subgroup_overhead + cpu_params / hw.cpu_adam_rate
+                  + cpu_params * passes / hw.host_bandwidth)
+        summed = n * (stepmodel.ACCUMULATE_BYTES + mb) / hw.host_bandwidth
+        drive = 0.0
+        if p.params_on == "nvme":
+            drive += cpu_params * mb / hw.nvme_write
+        if p.optimizer_on == "nvme":
+            drive += cpu_params * STATE_BYTES_PER_PARAM * (1 / hw.nvme_read + 1 / hw.nvme_write)
+        cpu = update + (accum - 1) * summed
+        lanes = {"compute": accum * (fb + outside) + (cpu if hw.shared_host and shared_adds else 0), "cpu": cpu,
+                 "d2h": accum * d2h, "h2d": accum * fetched + (0 if streamed else cpu_params * mb / hw.link_h2d),
+                 "nvme": drive + (accum * fetches * model.block_params * mb / hw.nvme_read
+                                  if p.params_on == "nvme" else 0)}
+        if chain and not p.delay:
+            more = fb + outside + summed if hw.shared_host else max(fb + outside, d2h, fetched)
+            lanes["chain"] = max(fb, d2h, fetched) + max(update, drive) + outside + (accum - 1) * more
+        if total:
+            return sum(lanes.values())
+        if seconds_and_lane:
+            return max(lanes.values()), max(lanes, key=lanes.get)
+        return max(lanes.values())
+    return step_bound
 
 
 # Task 9.3 --------------------------------------------------------------------------------------
@@ -198,43 +225,24 @@ def diagnose_with(*, always=None, fit_noise=False, rate_by_ratio=False, bare=Fal
 
 
 REFERENCE = {
-    "9.1": fits_with(),
-    "9.2": tokens_with(),
+    "9.1": configure_with(),
+    "9.2": bound_with(),
     "9.3": search_with(),
     "9.4": diagnose_with(),
 }
 WRONG = [  # (task, plausible mistake, what the verdict must mention)
-    ("9.1", fits_with(logits_bytes=0), "no logits"),
-    ("9.1", fits_with(logits_bytes=4), "the logits at the model's dtype"),
-    ("9.1", fits_with(head=False), "no head inputs"),
-    ("9.1", fits_with(full=False), "no block in backward"),
-    ("9.1", fits_with(one_fewer=True), "memory.activation_bytes counts"),
-    ("9.1", fits_with(in_flight=False), "no set in flight"),
-    ("9.1", fits_with(grads_on_device=True), "gradients counted on the device"),
-    ("9.1", fits_with(grads_on_their_way=False), "no gradients on their way"),
-    ("9.1", fits_with(offloaded_on_host=False), "left out of host memory"),
-    ("9.1", fits_with(offloaded_on_device=True), "offloaded activations counted on the device"),
-    ("9.1", fits_with(value_bytes=2), "activations counted at 2 bytes per value"),
-    ("9.1", fits_with(nvme_flag=False), "pass optimizer_on='nvme' to engine_bytes, nvme=True to streamed_bytes"),
-    ("9.1", fits_with(streamed=False), "streamed weights counted as resident"),
-    ("9.1", fits_with(negative=True), "never a negative number"),
-    ("9.1", fits_with(machine=True), "limits.capacity(hw)"),
-    ("9.1", fits_with(nvme_none_is_zero=True), "None means unbounded"),
-    ("9.2", tokens_with(accumulate=False), "the other micro-batches left out"),
-    ("9.2", tokens_with(repeat=True), "the whole step repeated per micro-batch"),
-    ("9.2", tokens_with(policies_once=True), "policies' time counted once"),
-    ("9.2", tokens_with(no_policies=True), "policies' time left out"),
-    ("9.2", tokens_with(no_overhead=True), "per-block overhead left out"),
-    ("9.2", tokens_with(first_overhead=False), "the first one's included"),
-    ("9.2", tokens_with(max_on_shared=True), "on a shared host"),
-    ("9.2", tokens_with(sum_on_gpu=True), "compute and moves added up on a GPU"),
-    ("9.2", tokens_with(hooks=False), "the hooks' copies left out"),
-    ("9.2", tokens_with(fetches=False), "the streamed blocks' fetches or their fixed costs left out"),
-    ("9.2", tokens_with(fetch_costs=False), "the streamed blocks' fetches or their fixed costs left out"),
-    ("9.2", tokens_with(clip=False), "no clipping in the prediction"),
-    ("9.2", tokens_with(whole_batch=True), "the whole batch predicted as one micro-batch"),
-    ("9.2", tokens_with(seconds=True), "that is the step's seconds"),
-    ("9.2", tokens_with(one_micro_batch=True), "the tokens of one micro-batch"),
+    ("9.1", configure_with(logits=False), "the logits"),
+    ("9.1", configure_with(grads_waiting=False), "gradients on their way"),
+    ("9.1", configure_with(backward_block=False), "the block in backward"),
+    ("9.1", configure_with(host_tier=False), "host needs"),
+    ("9.1", configure_with(micro_batch=1), "90% needed"),
+    ("9.1", configure_with(shape=tuple), "expected a dict with the keys"),
+    ("9.2", bound_with(chain=False), "the update waits for every gradient"),
+    ("9.2", bound_with(hooks=False), "of at least 60% of their step"),
+    ("9.2", bound_with(hybrid=False), "above the planner's step"),
+    ("9.2", bound_with(total=True), "each piece once"),
+    ("9.2", bound_with(compute_only=True), "80% of them needed"),
+    ("9.2", bound_with(seconds_and_lane=True), "expected seconds"),
     ("9.3", search_with(greedy=True), "that is the greedy answer"),
     ("9.3", search_with(one_policy=True), "one policy for every block"),
     ("9.3", search_with(no_host=True), "over the host budget"),

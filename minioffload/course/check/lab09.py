@@ -1,45 +1,45 @@
-"""Graders for Lab 9, "Planning the run": what one configuration needs on each tier and what it lacks (9.1).
+"""Graders for Lab 9, "Planning the run": a configuration that fits every tier and is close to the best (9.1).
 
-Task 9.2 (a plan's tokens per second, the planner's objective) is graded in lab09_objective.py, Task 9.3 (the exact
-choice of activation policies and hybrid split) in lab09_search.py.
+Task 9.2 (a lower bound on a plan's step) is graded in lab09_objective.py, Task 9.3 (the exact choice of activation
+policies and hybrid split) in lab09_search.py.
 
-Task 9.1 is checked against the planner's own count, asked through its parts: `plan._state_bytes` (the weights,
-gradients and optimizer state of a placement, by predict/memory.py's footprint, engine_bytes or streamed_bytes) and
-`plan._problem` (each activation policy's bytes per block and the offloaded set in flight, and what the planner adds
-outside the blocks: the block in backward, the head's inputs and the logits). When the learner's bytes equal what a
-plausible mistake gives, the verdict names it. Verdicts carry counts and sizes, never timings.
+Task 9.1 asks for a design, not a number: `configure(model, hw, limits)` returns one configuration (where the
+optimizer and the weights live, the micro-batch, one activation policy for every block, the prefetch depth, the
+subgroup size). Many answers are right. What must hold, on three models and machines: the configuration fits every
+tier by the planner's count (plan._state_bytes and plan._problem, asked through `parts`), and its step, as the planner
+predicts it (plan.step_seconds), reaches 90% of the tokens per second of the fastest configuration of that kind,
+found here by trying them all. A configuration that does not fit is answered with the planner's count of it, part by
+part, so the learner sees what they left out. Verdicts carry the model's figures (arithmetic, the same every run),
+never a measured time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 
 from ...machine import profiles
 from ...planner import search as plan
-from ...planner.plan import ModelSpec
-from ...predict import memory
-from ...predict.activation_cost import POLICIES
-from ...units import GB, GiB, MiB
+from ...planner.plan import HOMES, ModelSpec, Plan
+from ...predict.activation_cost import POLICIES, BlockShape, policy_costs
+from ...units import GB, MiB, format_bytes
 from .grading import grader
 
 TIERS = ("device", "host", "nvme")
-PLACEMENTS = (("device", "device"), ("host", "device"), ("nvme", "device"), ("host", "host"), ("host", "nvme"),
-              ("nvme", "host"), ("nvme", "nvme"))  # (optimizer_on, params_on)
-MICRO_BATCHES = (1, 4)
+KEYS = ("optimizer_on", "params_on", "micro_batch", "policy", "prefetch", "subgroup_numel")
+GOAL = 0.9  # of the fastest one-policy configuration's tokens per second
+SUBGROUPS = (1 << 16, 1 << 26)  # the subgroup sizes a configuration may take, inclusive
 
 
 def _setups() -> tuple:
-    """(model, machine, limits): a course GPT in fp32 on a small device, and GPT-3 shapes on presets with their host
-    memory, a host limit and NVMe limits, so that every tier falls short somewhere."""
+    """(model, machine, limits): a 7B model on a consumer GPU with NVMe, a 13B model on an H100 and its host, and the
+    course GPT in fp32 squeezed into 12 MiB of device memory with no NVMe."""
     return (
-        (ModelSpec(6, 128, 4, 74, 128), profiles.preset("laptop"), plan.Limits(device_bytes=24 * MiB,
-                                                                                precision="fp32")),
-        (ModelSpec.of_params(7e9), profiles.preset("rtx4090"), plan.Limits(host_bytes=64 * GiB, nvme_bytes=2000 * GB)),
-        (ModelSpec.of_params(13e9), profiles.preset("h100-sxm"), plan.Limits()),
-        (ModelSpec.of_params(70e9, 4096), profiles.preset("gh200"), plan.Limits(nvme_bytes=1000 * GB)),
+        (ModelSpec.of_params(7e9), profiles.preset("rtx4090"), plan.Limits(batch=8, nvme_bytes=2000 * GB)),
+        (ModelSpec.of_params(13e9), profiles.preset("h100-sxm"), plan.Limits(batch=8)),
+        (ModelSpec(6, 128, 4, 74, 128), profiles.preset("laptop"),
+         plan.Limits(batch=8, device_bytes=12 * MiB, precision="fp32", nvme_bytes=0)),
     )
 
 
@@ -110,171 +110,128 @@ def parts(case: Case, precision: str | None = None) -> Parts:
                  grads, head, logits, case.model.n_layer)
 
 
-@functools.lru_cache(maxsize=1)
-def cases() -> tuple[Case, ...]:
-    out = []
-    for model, hw, limits in _setups():
-        sizes = plan.subgroup_sizes(model)
-        for optimizer_on, params_on in PLACEMENTS:
-            for micro_batch in MICRO_BATCHES:
-                for policy in POLICIES:
-                    streamed = params_on != "device"
-                    out.append(Case(model, hw, limits, optimizer_on, params_on, micro_batch, policy,
-                                    len(out) % 4 if streamed else 0, sizes[len(out) % len(sizes)]))
-    return tuple(out)
-
-
 def shortfall(need: dict, capacity: dict) -> dict:
     return {t: max(0.0, need[t] - capacity[t]) if capacity[t] is not None else 0.0 for t in TIERS}
 
 
-def _same(a, b) -> bool:
-    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1.0)
+def _plan(case: Case) -> Plan:
+    return Plan(case.model, case.hw.name, case.limits.precision, case.micro_batch,
+                case.limits.batch // case.micro_batch, case.optimizer_on, case.params_on,
+                (case.policy,) * case.model.n_layer, case.prefetch, case.subgroup_numel)
 
 
-def _same_tiers(got: dict, want: dict) -> bool:
-    return all(_same(got[t], want[t]) for t in TIERS)
+def tokens_per_s(case: Case) -> float:
+    """The planner's tokens per second for `case`, every block under its one policy."""
+    p = _plan(case)
+    return p.tokens_per_step / plan.step_seconds(p, case.hw, case.limits)
 
 
-def _with(p: Parts, **changes) -> dict:
-    return dataclasses.replace(p, **changes).need()
+@functools.cache
+def fastest(setup: int) -> tuple[float, Case]:
+    """The fastest one-policy configuration of setup `setup` that fits: every configuration the planner enumerates
+    (neither the delayed update nor the hybrid split), every policy."""
+    model, hw, limits = _setups()[setup]
+    capacity = limits.capacity(hw)
+    best = (0.0, None)
+    for c in plan._configs(model, limits, capacity):
+        if c.delay or c.hybrid:
+            continue
+        fitting = [case for policy in POLICIES
+                   if not any(shortfall(parts(case := Case(model, hw, limits, c.optimizer_on, c.params_on,
+                                                          c.micro_batch, policy, c.prefetch, c.subgroup_numel)
+                                              ).need(), capacity).values())]
+        if not fitting:
+            continue
+        # the step model's prediction does not depend on the policy: predict once, then add each policy's time
+        first = fitting[0]
+        step = plan.step_seconds(_plan(first), hw, limits)
+        block = BlockShape(model.seq_len, c.micro_batch, model.d_model, model.n_head,
+                           4 if limits.precision == "fp32" else 2, model.fused_attention)
+        extra = {name: cost.extra_s for name, cost in policy_costs(block, hw, limits.mfu).items()}
+        accum = limits.batch // c.micro_batch
+        for case in fitting:
+            seconds = step + accum * model.n_layer * (extra[case.policy] - extra[first.policy])
+            speed = limits.batch * model.seq_len / seconds
+            if speed > best[0]:
+                best = (speed, case)
+    return best
 
 
-def _mistakes(case: Case, p: Parts) -> list[tuple[str, dict]]:
-    """(what the mistake is, the bytes per tier it gives), most specific first."""
-    model, precision = case.model, case.limits.precision
-    mb = 4 if precision == "fp32" else 2
-    offloaded = case.optimizer_on != "device"
-    out = [
-        ("no logits: the last layer's logits and their gradient (fp32, plan.LOGIT_BYTES = 8 bytes per token and "
-         "vocabulary entry: micro_batch x seq_len x vocab x 8) are on the device through the backward",
-         _with(p, logits=0)),
-        ("the logits at the model's dtype: they and their gradient are fp32, plan.LOGIT_BYTES = 8 bytes per token and "
-         "vocabulary entry", _with(p, logits=p.logits * mb / 8)),
-    ]
-    out.append(("no head inputs: outside the blocks the final LayerNorm's input and the head's input (plan.HEAD_VALUES "
-                "= 2 values of micro_batch x seq_len x d_model, at the activations' value size) stay on the device "
-                "until the backward reaches them", _with(p, head=0)))
-    if p.in_flight:  # first: for offload it equals the full set, and keep's cases (no set in flight) come first
-        out.append(("no set in flight: with offload or offload_input, one block's set (its link_bytes) is still on "
-                    "the device while its copy to the host runs beside the next block's forward, once for the stack",
-                    _with(p, in_flight=0)))
-    backward = ("the planner counts every block's held bytes (n_layer x held) and, on top, the full set of the block "
-                "in backward (BlockShape.saved_bytes(): recomputed, or brought back from the host); "
-                "memory.activation_bytes counts one block fewer, (n_layer - 1) x held + the full set")
-    out.append((f"no block in backward: {backward}", _with(p, full=0)))
-    if p.grads:
-        out.append(("no gradients on their way: with the optimizer offloaded and the weights resident, the gradients "
-                    "whose copies to the host have not run yet wait on the device, at most the largest subgroup's "
-                    "(layout.pack_sizes) and the next one the backward makes, the largest tensor's "
-                    "(plan.tensor_numels), at the model's value size", _with(p, grads=0)))
-    if p.held and not _same(p.held, p.full):
-        out.append((f"one block's held bytes short: {backward}",
-                    _with(p, held=p.held * (model.n_layer - 1) / model.n_layer)))
-    if p.offloaded:
-        counted_on_device = ("the offloaded activations counted on the device: with offload or offload_input a block "
-                             "holds nothing on the device between its forward and backward (but one set in flight); "
-                             "its bytes wait in pinned host memory")
-        out += [(counted_on_device, _with(p, held=p.offloaded, offloaded=0)),
-                (counted_on_device, _with(p, held=p.offloaded, offloaded=0, in_flight=0)),
-                ("the offloaded activations left out of host memory: each block's offloaded bytes wait in pinned "
-                 "host memory (PolicyCost.link_bytes, n_layer of them)", _with(p, offloaded=0))]
-    if precision == "fp32":
-        low = parts(case, "mixed_bf16")
-        out.append(("activations counted at 2 bytes per value: an fp32 model's activations are fp32, twice "
-                    "Korthikanti et al.'s 16-bit count (BlockShape(..., value_bytes=4))",
-                    _with(p, held=low.held, offloaded=low.offloaded, in_flight=low.in_flight, full=low.full,
-                          head=low.head)))
-    if offloaded:
-        state = dict(p.state)
-        state["device"] += model.num_params * mb
-        out.append(("gradients counted on the device: with the optimizer offloaded, each gradient leaves the device "
-                    "as the backward makes it and is summed in pinned host memory (memory.engine_bytes counts it "
-                    "there)", _with(p, state=state)))
-        on_device = plan._state_bytes(model, dataclasses.replace(case.config, optimizer_on="device",
-                                                                 params_on="device"), precision)
-        out.append(("the optimizer counted on the device: with optimizer_on 'host' or 'nvme' the device keeps the "
-                    "weights it computes with, not the gradients, master weights and Adam's state",
-                    _with(p, state=on_device)))
-    if case.optimizer_on == "nvme":
-        host = plan._state_bytes(model, dataclasses.replace(case.config, optimizer_on="host"), precision)
-        out.append(("the optimizer on NVMe counted as on the host: pass optimizer_on='nvme' to engine_bytes, "
-                    "nvme=True to streamed_bytes (its state lives in the swapper's files; pinned host memory keeps "
-                    "the gradients and three working sets)", _with(p, state=host)))
-    if case.params_on != "device":
-        resident = memory.engine_bytes(plan.tensor_numels(model), precision, optimizer_on=case.optimizer_on,
-                                       subgroup_numel=case.subgroup_numel)
-        out.append((f"streamed weights counted as resident: with params_on={case.params_on!r} the device holds the "
-                    "resident weights and a window of prefetch + 1 blocks (plus one block's gradients), "
-                    "memory.streamed_bytes", _with(p, state=resident)))
-    return out
+def _refused(config, limits: plan.Limits) -> str:
+    """Why `config` is not a configuration the runtime has, or ""."""
+    if not isinstance(config, dict) or set(config) != set(KEYS):
+        got = sorted(config) if isinstance(config, dict) else type(config).__name__
+        return f"expected a dict with the keys {', '.join(KEYS)}, got {got}"
+    opt, params, micro, prefetch, numel = (config[k] for k in ("optimizer_on", "params_on", "micro_batch",
+                                                                 "prefetch", "subgroup_numel"))
+    if opt not in HOMES or params not in HOMES:
+        return f"optimizer_on and params_on are each one of {', '.join(HOMES)}; got {opt!r} and {params!r}"
+    if opt == "device" and params != "device":
+        return ("weights streamed with the optimizer on the device: the runtime streams weights only with "
+                "OffloadAdam (optimizer_on 'host' or 'nvme')")
+    if params == "nvme" and opt != "nvme":
+        return ("weights streamed from NVMe with the optimizer on the host: the runtime keeps the optimizer's state "
+                "in the same NVMe directory as the weights (optimizer_on 'nvme')")
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or limits.batch % micro:
+        return f"micro_batch must be a positive int that divides the batch ({limits.batch}), got {micro!r}"
+    if config["policy"] not in POLICIES:
+        return f"policy must be one of {', '.join(POLICIES)}, got {config['policy']!r}"
+    if prefetch not in plan.PREFETCH_DEPTHS or (params == "device" and prefetch):
+        return (f"prefetch is one of {plan.PREFETCH_DEPTHS} with streamed weights, and 0 when they stay on the device; "
+                f"got {prefetch!r}")
+    if isinstance(numel, bool) or not isinstance(numel, int) or not SUBGROUPS[0] <= numel <= SUBGROUPS[1]:
+        return f"subgroup_numel must be an int from 2**16 to 2**26 (elements), got {numel!r}"
+    return ""
 
 
-def _need_hint(case: Case, p: Parts, got: dict, want: dict) -> str:
-    for what, wrong in _mistakes(case, p):
-        if _same_tiers(got, wrong) and not _same_tiers(wrong, want):
-            return what
-    tier = next(t for t in TIERS if not _same(got[t], want[t]))
+def _breakdown(case: Case, p: Parts, tier: str) -> str:
     if tier == "device":
-        flight = f", one set in flight {p.in_flight:,.0f}" if p.in_flight else ""
-        return (f"the device holds the state {p.state['device']:,.0f} (weights, and gradients and optimizer state "
-                f"where the placement keeps them), {p.n_layer} blocks x {p.held:,.0f} held under {case.policy!r}"
-                f"{flight}, the block in backward's full set {p.full:,.0f}, gradients on their way {p.grads:,.0f}, "
-                f"the head's inputs {p.head:,.0f} and the logits {p.logits:,.0f}")
+        flight = f" + one set in flight {format_bytes(p.in_flight)}" if p.in_flight else ""
+        return (f"state {format_bytes(p.state['device'])} + {p.n_layer} blocks x {format_bytes(p.held)} held under "
+                f"{case.policy!r}{flight} + the block in backward {format_bytes(p.full)} + gradients on their way "
+                f"{format_bytes(p.grads)} + the head's inputs {format_bytes(p.head)} + the logits "
+                f"{format_bytes(p.logits)}")
     if tier == "host":
-        return (f"pinned host memory holds the offloaded state {p.state['host']:,.0f} and {p.n_layer} blocks x "
-                f"{p.offloaded:,.0f} of offloaded activations")
-    return f"NVMe holds the swapper's files and the streamed weights' home: {p.state['nvme']:,.0f}"
+        return (f"offloaded state {format_bytes(p.state['host'])} + {p.n_layer} blocks x {format_bytes(p.offloaded)} "
+                "of offloaded activations")
+    return f"the swapper's files and the streamed weights' home {format_bytes(p.state['nvme'])}"
 
 
-def _tiers(got, what: str, call: str) -> dict:
-    if not isinstance(got, dict) or set(got) != set(TIERS):
-        raise AssertionError(f"{call} returned {what} {got!r:.100}; expected a dict with the keys 'device', 'host' "
-                             "and 'nvme' (bytes)")
-    for tier, value in got.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise AssertionError(f"{call} returned {what}[{tier!r}] = {value!r:.40}; expected a number of bytes")
-    return got
-
-
-def _short_hint(case: Case, need: dict, got: dict, want: dict) -> str:
-    capacity = case.limits.capacity(case.hw)
-    if any(v < 0 for v in got.values()):
-        return "short names the bytes lacking: 0 where the tier has room, never a negative number"
-    if capacity["nvme"] is None and _same(got["nvme"], need["nvme"]) and need["nvme"]:
-        return "the limits' nvme capacity None means unbounded: nothing is ever short there"
-    machine = {"device": case.hw.device_memory, "host": case.hw.host_memory, "nvme": None}
-    if _same_tiers(got, shortfall(need, machine)):
-        return ("the capacities are the limits' (limits.capacity(hw)): device_bytes or host_bytes set there override "
-                "the machine's")
-    return "short[tier] = need[tier] - capacity[tier] where that is positive, else 0; capacity from limits.capacity(hw)"
-
-
-@grader("9.1", rebuilds=("minioffload.planner.search._state_bytes",))
-def feasibility(fn: Callable) -> str:
-    """fn(model, hw, limits, *, optimizer_on, params_on, micro_batch, policy, prefetch, subgroup_numel) -> (need,
-    short): bytes per tier the configuration needs, and per tier the bytes it lacks (0 where it fits)."""
-    short_cases = 0
-    for case in cases():
+@grader("9.1", rebuilds=(
+    "minioffload.planner.search.search",
+    "minioffload.planner.search._configs",
+    "minioffload.planner.search._evaluate",
+    "minioffload.planner.search._state_bytes",
+    "minioffload.planner.search._problem",
+))
+def configuration(fn: Callable) -> str:
+    """fn(model, hw, limits) -> a configuration dict: it must fit every tier and reach 90% of the fastest."""
+    reached = []
+    for index, (model, hw, limits) in enumerate(_setups()):
+        where = f"configure(<{model}>, {hw.name}, <batch {limits.batch}, {limits.precision}>)"
+        config = fn(model, hw, limits)
+        why = _refused(config, limits)
+        if why:
+            raise AssertionError(f"{where} returned {config!r:.200}: {why}")
+        case = Case(model, hw, limits, **config)
         p = parts(case)
-        want = p.need()
-        call = case.call()
-        got = fn(case.model, case.hw, case.limits, **case.kwargs())
-        if not (isinstance(got, (tuple, list)) and len(got) == 2):
-            raise AssertionError(f"{call} returned {got!r:.100}; expected (need, short): two dicts of bytes per tier")
-        need, short = _tiers(got[0], "need", call), _tiers(got[1], "short", call)
-        if not _same_tiers(need, want):
-            shown = ", ".join(f"{t} {need[t]:,.0f}" for t in TIERS)
-            wanted = ", ".join(f"{t} {want[t]:,.0f}" for t in TIERS)
-            raise AssertionError(f"{call} needs {shown}; the planner counts {wanted}: "
-                                 f"{_need_hint(case, p, need, want)}")
-        want_short = shortfall(want, case.limits.capacity(case.hw))
-        if not _same_tiers(short, want_short):
-            shown = ", ".join(f"{t} {short[t]:,.0f}" for t in TIERS)
-            wanted = ", ".join(f"{t} {want_short[t]:,.0f}" for t in TIERS)
-            raise AssertionError(f"{call} returned short {shown}; it lacks {wanted}: "
-                                 f"{_short_hint(case, need, short, want_short)}")
-        short_cases += any(want_short.values())
-    return (f"{len(cases())} configurations ({len(PLACEMENTS)} placements x {len(POLICIES)} policies x "
-            f"{len(MICRO_BATCHES)} micro-batches, on {len(_setups())} models and machines): the bytes per tier are "
-            f"the planner's, and the {short_cases} that do not fit lack what the planner says they lack")
+        capacity = limits.capacity(hw)
+        need = p.need()
+        short = shortfall(need, capacity)
+        for tier in TIERS:
+            if short[tier]:
+                raise AssertionError(
+                    f"{where} returned {config}, which does not fit: {tier} needs {format_bytes(need[tier])} of "
+                    f"{format_bytes(capacity[tier])}, {format_bytes(short[tier])} short. The planner's count: "
+                    f"{_breakdown(case, p, tier)}")
+        best, fast = fastest(index)
+        speed = tokens_per_s(case)
+        if speed < GOAL * best:
+            raise AssertionError(
+                f"{where} returned {config}: it fits, at {speed:,.0f} tokens/s; the fastest configuration with one "
+                f"policy for every block reaches {best:,.0f} (weights on {fast.params_on}, optimizer on "
+                f"{fast.optimizer_on}), and yours reaches {speed / best:.0%} of it ({GOAL:.0%} needed)")
+        reached.append(speed / best)
+    shown = ", ".join(f"{r:.0%}" for r in reached)
+    return (f"your configurations fit every tier on all {len(reached)} models and machines and reach {shown} of the "
+            f"fastest one-policy configuration's tokens/s ({GOAL:.0%} needed)")

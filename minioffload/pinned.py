@@ -12,11 +12,16 @@ dies; torch's pinned allocator (`pin_memory=True`) would round each request up t
 the memory cached for the rest of the process. On a machine without CUDA, buffers are aligned but not
 page-locked; the simulated device treats them as pinned (see `is_pinned`).
 
+A host budget (`HostBudget`) bounds the pinned bytes alive in the process while it is in force: a pinned buffer that
+would pass it is refused before any memory is taken, and the budget records the most pinned bytes alive at once (its
+`peak`, measured from the buffers themselves, not counted from a plan).
+
 What this is not: a general allocator. Slots have one size; ask for more and you get a clear error.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 import warnings
 import weakref
@@ -24,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from .units import format_bytes
 
 ALIGNMENT = 4096  # one page; also a valid O_DIRECT alignment on common filesystems
 
@@ -66,10 +73,11 @@ def aligned_empty(nbytes: int, alignment: int = ALIGNMENT, pin: bool = True) -> 
         raise ValueError(f"nbytes must be positive, got {nbytes}")
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, got {alignment}")
-    raw = np.empty(nbytes + alignment, dtype=np.uint8)
-    offset = (-raw.ctypes.data) % alignment
-    buffer = torch.from_numpy(raw[offset:offset + nbytes])  # keeps `raw` alive through the view
-    if pin:
+    if not pin:
+        return _carve(nbytes, alignment)[1]
+    with _registry_lock:  # the budget's check and the buffer's registration at once: two threads cannot both pass
+        _within_budgets(nbytes)
+        raw, buffer = _carve(nbytes, alignment)
         buffer.zero_()  # page-locked memory is resident: touch every page now, not during a timed copy
         address, locked = buffer.data_ptr(), _cuda()
         if locked:
@@ -78,7 +86,75 @@ def aligned_empty(nbytes: int, alignment: int = ALIGNMENT, pin: bool = True) -> 
         # unregister (and unlock) when the last view of the memory dies, before NumPy frees it (an array's weakref
         # callbacks run before its memory goes); not at interpreter exit, when the CUDA runtime may be gone
         weakref.finalize(raw, _unregister, address, locked).atexit = False
+        _record_peaks()
     return buffer
+
+
+def _carve(nbytes: int, alignment: int) -> tuple[np.ndarray, torch.Tensor]:
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % alignment
+    return raw, torch.from_numpy(raw[offset:offset + nbytes])  # the view keeps `raw` alive
+
+
+def held_bytes() -> int:
+    """Bytes of pinned host buffers alive in this process (those `aligned_empty` handed out as pinned)."""
+    return sum(_registered.values())
+
+
+class OutOfHostBudget(MemoryError):
+    """A pinned buffer that would pass a `HostBudget`; nothing was allocated."""
+
+    def __init__(self, requested: int, held: int, budget: int):
+        self.requested, self.held, self.budget = requested, held, budget
+        what = (f"cannot pin {format_bytes(requested)}: {format_bytes(held)} of the {format_bytes(budget)} host budget "
+                "is pinned already (nothing was allocated)" if requested else
+                f"{format_bytes(held)} is pinned already, more than the {format_bytes(budget)} host budget")
+        super().__init__(f"{what}. Raise the budget, or pin less: the optimizer's state on NVMe, smaller subgroups "
+                         "(fewer bytes per working set), or activations recomputed instead of offloaded")
+
+
+_budgets: list[HostBudget] = []  # the budgets in force, outermost first: a pinned buffer must fit every one
+
+
+class HostBudget:
+    """`with HostBudget(nbytes) as budget:` at most `nbytes` of pinned host memory alive in this process, by any
+    thread, until the block ends (the buffers pinned before it and still alive count too). A pinned allocation that
+    would pass it raises OutOfHostBudget before taking any memory. `budget.peak`: the most pinned bytes alive at once
+    in the block. `nbytes=None` bounds nothing and measures the peak."""
+
+    def __init__(self, nbytes: int | None):
+        if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1):
+            raise ValueError(f"a host budget is a positive int of bytes (or None), got {nbytes!r}")
+        self.nbytes, self.peak = nbytes, 0
+
+    def __enter__(self) -> HostBudget:
+        gc.collect()  # buffers no one holds any more, waiting in reference cycles, are not pinned memory in use
+        with _registry_lock:
+            held = held_bytes()
+            if self.nbytes is not None and held > self.nbytes:
+                raise OutOfHostBudget(0, held, self.nbytes)
+            self.peak = held
+            _budgets.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with _registry_lock:
+            _budgets.remove(self)
+
+
+def _within_budgets(nbytes: int) -> None:
+    with _registry_lock:
+        held = held_bytes()
+        for budget in _budgets:
+            if budget.nbytes is not None and held + nbytes > budget.nbytes:
+                raise OutOfHostBudget(nbytes, held, budget.nbytes)
+
+
+def _record_peaks() -> None:
+    with _registry_lock:
+        held = held_bytes()
+        for budget in _budgets:
+            budget.peak = max(budget.peak, held)
 
 
 def _page_lock(address: int, nbytes: int) -> None:

@@ -149,6 +149,9 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
                          "one for every block, or one per block separated by commas")
     tr.add_argument("--device-memory", type=bytes_arg, default=d.device_memory, metavar="SIZE",
                     help="the sim device's memory, e.g. 64MB or 1GiB (default 4 GiB)")
+    tr.add_argument("--host-budget", type=bytes_arg, default=d.host_budget, metavar="SIZE",
+                    help="pinned host memory the run may hold, e.g. 512MB: refused before it starts when it needs "
+                         "more (default: no bound; the summary reports the peak either way)")
     tr.add_argument("--nvme-dir", default=d.nvme_dir, metavar="DIR",
                     help="keep the optimizer state in files in DIR (on an NVMe drive): chapter 6's tier")
     tr.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step")

@@ -57,7 +57,8 @@ from ..model.streaming import ParamStreamer, plan
 from ..nvme.swapper import Swapper
 from ..options import OffloadOptions, Placement, check_run
 from ..paths import usable_directory
-from . import checkpoint, checkpoint_async
+from ..pinned import HostBudget
+from . import checkpoint, checkpoint_async, host_budget
 from .batches import BatchUploads
 from .report import PHASES, format_summary, step_phases, summarize
 
@@ -92,6 +93,8 @@ class TrainConfig:
     params_on: str = "device"  # where the blocks' weights live: "device", or streamed from "host" or "nvme"
     prefetch: int = 1  # streamed: blocks fetched ahead of the one computing
     device_memory: int | None = None  # the sim device's memory in bytes (None: its default, 4 GiB)
+    host_budget: int | None = None  # bytes of pinned host memory the run may hold (None: no bound); refused before
+    #                                 it starts when its count is more, and held to it as it runs
     grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0
     shard: bool = False  # shard the optimizer state over torchrun's ranks (chapter 10); needs offload
@@ -106,10 +109,10 @@ class TrainConfig:
         _choice("device", self.device, DEVICES)
         _choice("model", self.model, tuple(GPTConfig.preset_names()))
         _choice("precision", self.precision, PRECISIONS)
-        if self.device_memory is not None and (isinstance(self.device_memory, bool)
-                                               or not isinstance(self.device_memory, int) or self.device_memory < 1):
-            raise ValueError("TrainConfig.device_memory must be a positive number of bytes, got "
-                             f"{self.device_memory!r}")
+        for name in ("device_memory", "host_budget"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"TrainConfig.{name} must be a positive number of bytes, got {value!r}")
         for name in ("block_size", "batch_size", "steps", "grad_accum", "eval_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -138,6 +141,11 @@ class TrainConfig:
             raise ValueError("TrainConfig.params_on='nvme' keeps the weights in nvme_dir/weights: give "
                              "TrainConfig.nvme_dir")
         check_run(placement, self.optimizer)
+        if self.host_budget is not None and (self.params_on != "device" or self.checkpoint_every is not None):
+            raise ValueError("TrainConfig.host_budget counts what a run with resident weights pins; the pinned "
+                             "buffers of streamed weights (params_on) and of lazy checkpoints (checkpoint_every) are "
+                             "not counted yet: drop host_budget, or keep the weights on the device and checkpoint at "
+                             "the end (checkpoint_dir alone)")
         if self.checkpoint_every is not None:
             if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
                     or self.checkpoint_every < 1:
@@ -244,6 +252,8 @@ def preflight(config: TrainConfig) -> tuple[Path, CharTokenizer, torch.Tensor, t
         if config.precision == "bf16":
             shape.to(torch.bfloat16)
         plan(shape, config.prefetch, None, config.device_memory or SimDevice.DEFAULT_MEMORY)
+    if config.host_budget is not None:
+        host_budget.refuse_over_budget(config, host_budget.pinned_need(config, shape, on_sim))
     if config.nvme_dir is not None:
         params = shape.num_params()
         # two versions of 12 B/param (master, exp_avg, exp_avg_sq), as the swapper keeps them, and of the weights
@@ -270,7 +280,8 @@ def train(config: TrainConfig) -> TrainResult:
     dev = make_device(config.device, **options)
     finished = False
     try:
-        result = _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard)
+        with HostBudget(config.host_budget) as pinned:  # no budget: the peak is still measured
+            result = _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard, pinned)
         finished = True
         return result
     finally:
@@ -296,7 +307,7 @@ def _join(config: TrainConfig):
     return sharding.Shard()
 
 
-def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard=None) -> TrainResult:
+def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard=None, pinned=None) -> TrainResult:
     if config.precision == "bf16":
         model.to(torch.bfloat16)
     swapper = weights_home = streamer = None
@@ -411,7 +422,8 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard=None)
     elif config.checkpoint_dir is not None:
         checkpoint.save(config.checkpoint_dir, model, opt,
                         extra={"step": config.steps, "data_rng": bytes(data_gen.get_state().tolist())})
-    summary = summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_per_step, streamer, shard)
+    summary = summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_per_step, streamer, shard,
+                        pinned)
     if isinstance(opt, OffloadAdam):
         opt.close()  # its hooks off the parameters: once the run's references go, so do its buffers
     for disk in (swapper, weights_home):

@@ -44,7 +44,7 @@ def step_phases(spans: list[Span], start: float, end: float) -> dict[str, float]
 
 
 def summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_per_step, streamer,
-              shard=None) -> dict:
+              shard=None, pinned=None) -> dict:
     timed = windows[1:] if len(windows) > 1 else windows  # leave the warm-up step out
     spans = dev.trace.spans
     totals = dict.fromkeys(PHASES, 0.0)
@@ -82,6 +82,8 @@ def summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_
         "tokens_per_s": tokens_per_step / split["step_s"],
         "device_peak_bytes": dev.ledger.peak("device"),
         "optimizer_host_bytes": host_bytes,
+        # every pinned host buffer alive at once, measured (pinned.HostBudget), and the run's budget (None: none)
+        "host_pinned_peak_bytes": None if pinned is None else pinned.peak, "host_budget": config.host_budget,
         "ranks": len(ranks),
         "per_rank": ranks,  # each rank's link and interconnect bytes per step, optimizer host bytes, median step
         "optimizer_nvme_bytes": 12 * sum(sub.numel for sub in opt.subgroups) if getattr(opt, "nvme", None) else 0,
@@ -110,6 +112,7 @@ def format_summary(summary: dict) -> str:
     delayed = cfg.get("delay_updates_after")
     nvme_bytes = summary.get("optimizer_nvme_bytes", 0)
     on_nvme = f", {format_bytes(nvme_bytes)} on NVMe" if nvme_bytes else ""
+    budget = f" of a {format_bytes(summary['host_budget'])} budget" if summary.get("host_budget") else ""
     lines = [f"{cfg['model']} GPT, {summary['num_params']:,} parameters, {cfg['precision']}, "
              f"{'OffloadAdam (state on the host)' if cfg['offload'] else 'AdamW on the device (baseline)'}"
              f"{'' if delayed is None else f', updates delayed one step after step {delayed}'}"
@@ -130,6 +133,8 @@ def format_summary(summary: dict) -> str:
                 if summary.get("ranks", 1) > 1 else []),
               f"device peak memory  {format_bytes(summary['device_peak_bytes'])}",
               f"optimizer on host   {format_bytes(summary['optimizer_host_bytes'])} pinned{on_nvme}",
+              *([f"pinned host peak    {format_bytes(summary['host_pinned_peak_bytes'])}{budget}"]
+                if summary.get("host_pinned_peak_bytes") is not None else []),
               *([f"weights streamed    from {cfg['params_on']}, {cfg['prefetch']} ahead: "
                  f"{format_bytes(summary['weights_bytes'])} of weights, "
                  f"{summary['weights_over_device']:.1f}x the device's memory; at most "

@@ -1,10 +1,12 @@
 """PinnedPool: aligned, bounded, reused, thread-safe; clear errors; every buffer comes back."""
 
+import gc
 import threading
 
 import pytest
 import torch
 
+from minioffload import pinned
 from minioffload.pinned import ALIGNMENT, PinnedPool, PoolExhausted, aligned_empty, is_pinned
 
 
@@ -190,3 +192,81 @@ def test_with_cuda_a_buffer_that_cannot_be_locked_is_a_clear_error(fake_cudart):
     with pytest.raises(RuntimeError, match=r"could not page-lock 4096 bytes .*`ulimit -l`"):
         aligned_empty(4096)
     assert [call[0] for call in fake_cudart.calls] == ["register"]  # nothing to unlock
+
+
+# the host budget ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def no_garbage_pinned():
+    """Buffers earlier tests dropped, waiting in reference cycles, freed now: a budget counts what is alive."""
+    gc.collect()
+
+
+def test_a_buffer_past_the_budget_is_refused_before_any_memory_is_pinned():
+    with pinned.HostBudget(pinned.held_bytes() + 3 * 4096) as budget:
+        kept = [pinned.aligned_empty(4096) for _ in range(3)]  # exactly the budget: fits
+        held = pinned.held_bytes()
+        with pytest.raises(pinned.OutOfHostBudget, match="cannot pin 4.00 KiB: .* host budget is pinned already"):
+            pinned.aligned_empty(4096)
+        assert pinned.held_bytes() == held  # nothing was pinned by the refused call
+        assert pinned.aligned_empty(4096, pin=False) is not None  # pageable memory is not the budget's
+        assert budget.peak == held
+        del kept[0]
+        pinned.aligned_empty(4096)  # a freed buffer's bytes are the budget's again
+
+
+def test_the_peak_is_measured_from_the_buffers_alive_at_once():
+    with pinned.HostBudget(None) as budget:  # no bound: the peak is still measured
+        start = pinned.held_bytes()
+        for _ in range(4):  # one 8 KiB buffer at a time: the peak is one of them, not four
+            buffer = pinned.aligned_empty(8192)
+            del buffer
+        assert budget.peak == start + 8192
+        both = [pinned.aligned_empty(8192), pinned.aligned_empty(8192)]
+        assert budget.peak == start + 2 * 8192 and len(both) == 2
+
+
+def test_nested_budgets_each_hold_and_a_budget_already_passed_is_refused_on_entry():
+    start = pinned.held_bytes()
+    with pinned.HostBudget(start + 4 * 4096), pinned.HostBudget(start + 4096):
+        kept = pinned.aligned_empty(4096)
+        with pytest.raises(pinned.OutOfHostBudget):
+            pinned.aligned_empty(4096)  # within the outer budget, past the inner one
+    with pytest.raises(pinned.OutOfHostBudget, match="is pinned already, more than"):
+        with pinned.HostBudget(start + 1):
+            pass
+    assert kept.numel() == 4096
+
+
+@pytest.mark.parametrize("nbytes", [0, -1, 1.5, True, "1GB"])
+def test_a_budget_must_be_a_positive_int_of_bytes(nbytes):
+    with pytest.raises(ValueError, match="a host budget is a positive int of bytes"):
+        pinned.HostBudget(nbytes)
+
+
+def test_threads_pinning_at_once_never_pass_the_budget_together():
+    start = pinned.held_bytes()
+    budget_bytes = start + 10 * 4096
+    kept, refused = [], []
+    lock = threading.Lock()
+
+    def pin():
+        for _ in range(5):
+            try:
+                buffer = pinned.aligned_empty(4096)
+            except pinned.OutOfHostBudget:
+                with lock:
+                    refused.append(1)
+            else:
+                with lock:
+                    kept.append(buffer)
+
+    with pinned.HostBudget(budget_bytes) as budget:
+        threads = [threading.Thread(target=pin) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(kept) == 10 and len(refused) == 10  # 20 asked, room for 10
+    assert budget.peak <= budget_bytes

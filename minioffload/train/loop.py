@@ -141,11 +141,11 @@ class TrainConfig:
             raise ValueError("TrainConfig.params_on='nvme' keeps the weights in nvme_dir/weights: give "
                              "TrainConfig.nvme_dir")
         check_run(placement, self.optimizer)
-        if self.host_budget is not None and (self.params_on != "device" or self.checkpoint_every is not None):
-            raise ValueError("TrainConfig.host_budget counts what a run with resident weights pins; the pinned "
-                             "buffers of streamed weights (params_on) and of lazy checkpoints (checkpoint_every) are "
-                             "not counted yet: drop host_budget, or keep the weights on the device and checkpoint at "
-                             "the end (checkpoint_dir alone)")
+        if self.host_budget is not None and (self.params_on == "nvme" or self.checkpoint_every is not None):
+            raise ValueError("TrainConfig.host_budget: the pinned buffers of weights streamed from NVMe "
+                             "(params_on='nvme') and of lazy checkpoints (checkpoint_every) are not counted yet: drop "
+                             "host_budget, or stream the weights from the host and checkpoint at the end "
+                             "(checkpoint_dir alone)")
         if self.checkpoint_every is not None:
             if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
                     or self.checkpoint_every < 1:

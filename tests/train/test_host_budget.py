@@ -33,26 +33,27 @@ def test_the_count_is_what_the_run_pins_at_its_peak(unbounded):
     config, need, summary = unbounded
     assert need["optimizer"] == summary["optimizer_host_bytes"] > 0
     assert need["activations"] > 0
-    assert summary["host_pinned_peak_bytes"] == sum(need.values()), need
+    assert summary["host_pinned_peak_bytes"] == host_budget.peak(need) == sum(need.values()), need
 
 
 @pytest.mark.parametrize("fields", [
     dict(precision="bf16"), dict(grad_accum=2, activations="offload_input"),
     dict(optimizer=OffloadOptions(subgroup_numel=1 << 14, delay_updates_after=0)),
     dict(optimizer=OffloadOptions(subgroup_numel=1 << 14, gpu_fraction=0.5)),
-    dict(optimizer=OffloadOptions(speculative=True)), dict(nvme_dir="nvme")],
-    ids=["bf16", "accumulated", "delayed", "hybrid", "speculative", "nvme"])
-def test_the_count_is_exact_for_every_resident_configuration(fields, tmp_path):
+    dict(optimizer=OffloadOptions(speculative=True)), dict(nvme_dir="nvme"), dict(params_on="host"),
+    dict(params_on="host", precision="bf16", prefetch=0)],
+    ids=["bf16", "accumulated", "delayed", "hybrid", "speculative", "nvme", "streamed", "streamed-bf16"])
+def test_the_count_is_exact_for_every_configuration_it_takes(fields, tmp_path):
     if "nvme_dir" in fields:
         fields = {**fields, "nvme_dir": str(tmp_path / "nvme")}
     config = TrainConfig(out_dir=str(tmp_path / "out"), **{**SHORT, "steps": 2, "eval_every": 2, **fields})
-    assert train(config).summary["host_pinned_peak_bytes"] == sum(need_of(config).values())
+    assert train(config).summary["host_pinned_peak_bytes"] == host_budget.peak(need_of(config))
 
 
 def test_a_budget_below_the_count_is_refused_before_anything_is_made(tmp_path, unbounded):
     _, need, _ = unbounded
     out = tmp_path / "never"
-    config = TrainConfig(activations="offload", host_budget=sum(need.values()) - 1, out_dir=str(out), **SHORT)
+    config = TrainConfig(activations="offload", host_budget=host_budget.peak(need) - 1, out_dir=str(out), **SHORT)
     with pytest.raises(ValueError, match=r"host_budget=.* is below what this run pins.*optimizer .*activations"):
         train(config)
     assert not out.exists()
@@ -60,7 +61,7 @@ def test_a_budget_below_the_count_is_refused_before_anything_is_made(tmp_path, u
 
 def test_a_run_within_its_budget_trains_and_stays_under_it(tmp_path, unbounded):
     _, need, reference = unbounded
-    budget = sum(need.values())
+    budget = host_budget.peak(need)
     config = TrainConfig(activations="offload", host_budget=budget, out_dir=str(tmp_path), **SHORT)
     summary = train(config).summary
     assert summary["host_pinned_peak_bytes"] <= budget == summary["host_budget"]
@@ -87,7 +88,8 @@ def test_the_budget_flag_reaches_the_config_and_the_summary_prints_the_peak(tmp_
     assert "of a 61.04 MiB budget" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("fields", [dict(params_on="host"), dict(checkpoint_dir="ck", checkpoint_every=2)])
+@pytest.mark.parametrize("fields", [dict(params_on="nvme", nvme_dir="nv"),
+                                    dict(checkpoint_dir="ck", checkpoint_every=2)])
 def test_what_is_not_counted_yet_is_refused_with_a_budget(fields):
     with pytest.raises(ValueError, match="not counted yet"):
         TrainConfig(host_budget=1 << 30, **{**SHORT, **fields})

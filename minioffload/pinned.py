@@ -106,34 +106,30 @@ class OutOfHostBudget(MemoryError):
 
     def __init__(self, requested: int, held: int, budget: int):
         self.requested, self.held, self.budget = requested, held, budget
-        what = (f"cannot pin {format_bytes(requested)}: {format_bytes(held)} of the {format_bytes(budget)} host budget "
-                "is pinned already (nothing was allocated)" if requested else
-                f"{format_bytes(held)} is pinned already, more than the {format_bytes(budget)} host budget")
-        super().__init__(f"{what}. Raise the budget, or pin less: the optimizer's state on NVMe, smaller subgroups "
-                         "(fewer bytes per working set), or activations recomputed instead of offloaded")
+        super().__init__(f"cannot pin {format_bytes(requested)}: {format_bytes(held)} of the {format_bytes(budget)} "
+                         "host budget is pinned already (nothing was allocated). Raise the budget, or pin less: the "
+                         "optimizer's state on NVMe, smaller subgroups (fewer bytes per working set), or activations "
+                         "recomputed instead of offloaded")
 
 
 _budgets: list[HostBudget] = []  # the budgets in force, outermost first: a pinned buffer must fit every one
 
 
 class HostBudget:
-    """`with HostBudget(nbytes) as budget:` at most `nbytes` of pinned host memory alive in this process, by any
-    thread, until the block ends (the buffers pinned before it and still alive count too). A pinned allocation that
-    would pass it raises OutOfHostBudget before taking any memory. `budget.peak`: the most pinned bytes alive at once
-    in the block. `nbytes=None` bounds nothing and measures the peak."""
+    """`with HostBudget(nbytes) as budget:` at most `nbytes` more pinned host memory alive in this process, by any
+    thread, than when the block began (what was pinned before it is not the block's). A pinned allocation that would
+    pass it raises OutOfHostBudget before taking any memory. `budget.peak`: the most bytes the block held pinned at
+    once, measured from the buffers alive. `nbytes=None` bounds nothing and measures the peak."""
 
     def __init__(self, nbytes: int | None):
         if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1):
             raise ValueError(f"a host budget is a positive int of bytes (or None), got {nbytes!r}")
-        self.nbytes, self.peak = nbytes, 0
+        self.nbytes, self.peak, self.start = nbytes, 0, 0
 
     def __enter__(self) -> HostBudget:
-        gc.collect()  # buffers no one holds any more, waiting in reference cycles, are not pinned memory in use
+        gc.collect()  # buffers no one holds any more, waiting in reference cycles, are not the block's to count
         with _registry_lock:
-            held = held_bytes()
-            if self.nbytes is not None and held > self.nbytes:
-                raise OutOfHostBudget(0, held, self.nbytes)
-            self.peak = held
+            self.start, self.peak = held_bytes(), 0
             _budgets.append(self)
         return self
 
@@ -141,20 +137,23 @@ class HostBudget:
         with _registry_lock:
             _budgets.remove(self)
 
+    @property
+    def held(self) -> int:
+        """Bytes the block holds pinned now (negative when it freed more than it pinned)."""
+        return held_bytes() - self.start
+
 
 def _within_budgets(nbytes: int) -> None:
     with _registry_lock:
-        held = held_bytes()
         for budget in _budgets:
-            if budget.nbytes is not None and held + nbytes > budget.nbytes:
-                raise OutOfHostBudget(nbytes, held, budget.nbytes)
+            if budget.nbytes is not None and budget.held + nbytes > budget.nbytes:
+                raise OutOfHostBudget(nbytes, max(0, budget.held), budget.nbytes)
 
 
 def _record_peaks() -> None:
     with _registry_lock:
-        held = held_bytes()
         for budget in _budgets:
-            budget.peak = max(budget.peak, held)
+            budget.peak = max(budget.peak, budget.held)
 
 
 def _page_lock(address: int, nbytes: int) -> None:

@@ -29,7 +29,7 @@ from .args import bytes_arg, parse_count
 TRAIN_PLACEMENT = ("params_on", "prefetch")  # the Placement fields train's flags set (the others: --offload, ...)
 # the settings' "optimizer_on='device' (train: offload=False)": train's flag for it
 TRAIN_FLAGS = {"offload=False": "--no-offload", "offload=True": "--offload", "nvme_dir": "--nvme-dir",
-               "no nvme_dir": "no --nvme-dir", "shard": "--shard"}
+               "no nvme_dir": "no --nvme-dir", "weights_dir": "--weights-dir", "shard": "--shard"}
 TRAIN_SPELLING = re.compile(r"\S+ \(train: ([^)]*)\)")
 
 
@@ -154,6 +154,9 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
                          "more (default: no bound; the summary reports the peak either way)")
     tr.add_argument("--nvme-dir", default=d.nvme_dir, metavar="DIR",
                     help="keep the optimizer state in files in DIR (on an NVMe drive): chapter 6's tier")
+    tr.add_argument("--weights-dir", default=None, metavar="DIR",
+                    help="with --params-on nvme: the weights' files in DIR (the optimizer's state stays in host memory "
+                         "unless --nvme-dir); default: NVME_DIR/weights")
     tr.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step")
     tr.add_argument("--seed", type=int, default=d.seed, help="seeds the model, the batches and the sample")
     tr.add_argument("--out-dir", default=d.out_dir, help="where trace.json, loss.csv, summary.json go; "

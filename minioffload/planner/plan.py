@@ -107,10 +107,14 @@ class Plan:
             raise ValueError(f"this plan is for a {self.model}, which `train` does not build: it trains the course's "
                              "GPT presets. Make a plan with --model tiny|small|medium|gpt2-small-ish to run one")
         needs_nvme = "nvme" in (self.optimizer_on, self.params_on)
-        if needs_nvme and overrides.get("nvme_dir") is None:
+        if needs_nvme and overrides.get("nvme_dir") is None and overrides.get("weights_dir") is None:
             raise ValueError(f"this plan keeps the {'optimizer state' if self.optimizer_on == 'nvme' else 'weights'} "
                              "on NVMe: give nvme_dir (--nvme-dir DIR on the drive)")
         if not needs_nvme:
+            overrides.pop("nvme_dir", None)
+        elif self.optimizer_on != "nvme" and overrides.get("weights_dir") is None:  # only the weights go there
+            overrides["weights_dir"] = overrides.pop("nvme_dir")
+        elif self.optimizer_on != "nvme":
             overrides.pop("nvme_dir", None)
         if self.ranks > 1:
             overrides["shard"] = True

@@ -138,8 +138,8 @@ def _configs(model: ModelSpec, limits: Limits, capacity) -> list[_Config]:
             continue  # train shards OffloadAdam's state; data parallel with torch's AdamW is not the runtime's
         for params_on in (("device",) if optimizer_on == "device" or limits.ranks > 1 else HOMES):
             # ranks > 1: the sharded engine keeps the weights on every device (plan_report.NOT_WITH_RANKS)
-            if params_on == "nvme" and (not nvme_ok or optimizer_on == "host"):
-                continue  # train keeps the optimizer's state in the same NVMe directory as the weights
+            if params_on == "nvme" and not nvme_ok:
+                continue
             depths = PREFETCH_DEPTHS if params_on != "device" else (0,)
             resident_offload = optimizer_on == "host" and params_on == "device"
             splits = ((False, False), (True, False), (False, True)) if resident_offload else ((False, False),)

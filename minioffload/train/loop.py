@@ -19,7 +19,8 @@ stream (train/batches.py; the sim's compute reads the drawn tensors as they are)
 after the update is queued, never per micro-batch.
 
 With `params_on="host"` or `"nvme"` the blocks' weights are streamed (chapter 8, model/streaming.py): they live in
-pinned host memory or in nvme_dir/weights and come up block by block, `prefetch` blocks ahead, so a model several
+pinned host memory or on NVMe (weights_dir, or nvme_dir/weights beside the optimizer's state) and come up block by
+block, `prefetch` blocks ahead, so a model several
 times the (sim) device's `device_memory` trains.
 
 With `shard=True`, under torchrun (`torchrun --nproc-per-node N -m minioffload train --shard`), each rank is one
@@ -89,6 +90,8 @@ class TrainConfig:
     optimizer: OffloadOptions = field(default_factory=_train_defaults)  # OffloadAdam's options; the baseline
     #                                                                     uses only max_grad_norm
     nvme_dir: str | None = None  # keep the optimizer state in files here (the NVMe tier); None: in host memory
+    weights_dir: str | None = None  # params_on="nvme": the weights' files here (another drive, or the optimizer's
+    #                                 state in host memory); None: nvme_dir/weights
     activations: str = "keep"  # a policy of model/activations.py for every block, or one per block, comma-separated
     params_on: str = "device"  # where the blocks' weights live: "device", or streamed from "host" or "nvme"
     prefetch: int = 1  # streamed: blocks fetched ahead of the one computing
@@ -137,9 +140,13 @@ class TrainConfig:
             placement = self.placement
         except ValueError as err:  # a field's own check: "params_on must be one of ..."
             raise ValueError(f"TrainConfig.{err}") from None
-        if self.params_on == "nvme" and self.nvme_dir is None:
-            raise ValueError("TrainConfig.params_on='nvme' keeps the weights in nvme_dir/weights: give "
-                             "TrainConfig.nvme_dir")
+        if self.params_on == "nvme" and self.nvme_dir is None and self.weights_dir is None:
+            raise ValueError("TrainConfig.params_on='nvme' keeps the weights in files: give TrainConfig.weights_dir "
+                             "(the optimizer's state stays in host memory), or nvme_dir (both on NVMe, the weights "
+                             "in nvme_dir/weights)")
+        if self.weights_dir is not None and self.params_on != "nvme":
+            raise ValueError(f"TrainConfig.weights_dir is the home of weights streamed from NVMe, and params_on is "
+                             f"{self.params_on!r}: set params_on='nvme' or drop weights_dir")
         check_run(placement, self.optimizer)
         if self.host_budget is not None and (self.params_on == "nvme" or self.checkpoint_every is not None):
             raise ValueError("TrainConfig.host_budget: the pinned buffers of weights streamed from NVMe "
@@ -254,12 +261,15 @@ def preflight(config: TrainConfig) -> tuple[Path, CharTokenizer, torch.Tensor, t
         plan(shape, config.prefetch, None, config.device_memory or SimDevice.DEFAULT_MEMORY)
     if config.host_budget is not None:
         host_budget.refuse_over_budget(config, host_budget.pinned_need(config, shape, on_sim))
+    params = shape.num_params()
+    # two versions of 12 B/param (master, exp_avg, exp_avg_sq), as the swapper keeps them, and of the weights
+    weights = 2 * (2 if config.precision == "bf16" else 4) * params if config.params_on == "nvme" else 0
+    if config.weights_dir is not None:
+        usable_directory(config.weights_dir, "TrainConfig.weights_dir", need_bytes=weights)
+        weights = 0
     if config.nvme_dir is not None:
-        params = shape.num_params()
-        # two versions of 12 B/param (master, exp_avg, exp_avg_sq), as the swapper keeps them, and of the weights
-        weights = (2 if config.precision == "bf16" else 4) * params if config.params_on == "nvme" else 0
         usable_directory(config.nvme_dir, "TrainConfig.nvme_dir",
-                         need_bytes=2 * (STATE_BYTES_PER_PARAM * params + weights))
+                         need_bytes=2 * STATE_BYTES_PER_PARAM * params + weights)
     return out_dir, tok, train_tokens, val_tokens
 
 
@@ -319,9 +329,12 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard=None,
     if config.params_on == "device":
         dev.place(model)
     else:  # the blocks' weights stay home and come up block by block; the rest is placed
-        if config.params_on == "nvme":  # sharded: each rank its own copy, beside its optimizer state
-            weights_dir = (nvme_dir if shard is not None else Path(config.nvme_dir)) / "weights"
-            weights_dir.mkdir(exist_ok=True)
+        if config.params_on == "nvme":  # sharded: each rank its own copy
+            if config.weights_dir is not None:
+                weights_dir = Path(config.weights_dir) / (f"rank{rank}" if shard is not None else "")
+            else:  # beside the optimizer's state
+                weights_dir = (nvme_dir if shard is not None else Path(config.nvme_dir)) / "weights"
+            weights_dir.mkdir(parents=True, exist_ok=True)
             weights_home = Swapper(weights_dir)
         streamer = ParamStreamer(model, dev, prefetch=config.prefetch, home=config.params_on,
                                  swapper=weights_home)

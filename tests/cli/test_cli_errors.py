@@ -89,7 +89,7 @@ def test_no_argument_list_ends_in_a_traceback(stubbed, tmp_path, capsys, argv):
     (["train", "--device", "cuda"], "needs a CUDA GPU"),
     (["train", "--lr", "nan"], "--lr must be a positive finite number"),
     (["train", "--max-grad-norm", "inf"], "--max-grad-norm must be a positive number"),
-    (["train", "--params-on", "nvme"], "--params-on='nvme' keeps the weights in nvme_dir/weights: give --nvme-dir"),
+    (["train", "--params-on", "nvme"], "--params-on='nvme' keeps the weights in files: give --weights-dir"),
     (["train", "--prefetch", "-1"], "--prefetch must be an int >= 0"),
     (["train", "--device-memory", "lots"], "'lots' is not a size in bytes"),
     (["train", "--params-on", "host", "--device-memory", "1KB"], "the device has 1000 B free"),

@@ -52,8 +52,8 @@ def step_of(model, hw, limits, optimizer_on, params_on, micro_batch, policy, pre
     return plan.step_seconds(p, hw, limits)
 
 
-HOME_PAIRS = (("device", "device"), ("host", "device"), ("host", "host"), ("nvme", "device"), ("nvme", "host"),
-              ("nvme", "nvme"))
+HOME_PAIRS = (("device", "device"), ("host", "device"), ("host", "host"), ("host", "nvme"), ("nvme", "device"),
+              ("nvme", "host"), ("nvme", "nvme"))
 
 
 def configure_with(*, logits=True, grads_waiting=True, backward_block=True, host_tier=True, micro_batch=None,

@@ -158,12 +158,20 @@ def test_streamed_weights_train_the_same_losses_from_the_command_line(tmp_path, 
     summary = json.loads((tmp_path / "nvme" / "summary.json").read_text())
     assert summary["final_train_loss"] == pytest.approx(resident[-1], abs=0) and summary["fetches"] > 0
     assert (tmp_path / "disk" / "weights" / "index.json").exists()
+    # the weights on NVMe, the optimizer's state in host memory: a directory of their own
+    assert main(["train", "--device", "sim", "--model", "tiny", "--block-size", "32", "--batch-size", "8",
+                 "--steps", "3", "--no-progress", "--params-on", "nvme", "--weights-dir", str(tmp_path / "w"),
+                 "--device-memory", "700KB", "--out-dir", str(tmp_path / "apart")]) == 0
+    summary = json.loads((tmp_path / "apart" / "summary.json").read_text())
+    assert summary["final_train_loss"] == pytest.approx(resident[-1], abs=0)
+    assert summary["optimizer_nvme_bytes"] == 0 and (tmp_path / "w" / "index.json").exists()
 
 
 @pytest.mark.parametrize("fields, words", [
     ({"params_on": "disk"}, "TrainConfig.params_on must be one of"),
     ({"prefetch": -1}, "TrainConfig.prefetch must be an int >= 0"),
-    ({"params_on": "nvme"}, "give TrainConfig.nvme_dir"),
+    ({"params_on": "nvme"}, "give TrainConfig.weights_dir"),
+    ({"weights_dir": "w"}, "TrainConfig.weights_dir is the home of weights streamed from NVMe"),
     ({"params_on": "host", "optimizer": OffloadOptions(delay_updates_after=1)}, "take the synchronous CPU update only"),
     ({"params_on": "host", "offload": False}, "params_on='host' streams weights that the CPU optimizer updates"),
     ({"device_memory": 0}, "TrainConfig.device_memory must be a positive number of bytes"),

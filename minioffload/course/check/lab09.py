@@ -169,9 +169,6 @@ def _refused(config, limits: plan.Limits) -> str:
     if opt == "device" and params != "device":
         return ("weights streamed with the optimizer on the device: the runtime streams weights only with "
                 "OffloadAdam (optimizer_on 'host' or 'nvme')")
-    if params == "nvme" and opt != "nvme":
-        return ("weights streamed from NVMe with the optimizer on the host: the runtime keeps the optimizer's state "
-                "in the same NVMe directory as the weights (optimizer_on 'nvme')")
     if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1 or limits.batch % micro:
         return f"micro_batch must be a positive int that divides the batch ({limits.batch}), got {micro!r}"
     if config["policy"] not in POLICIES:

@@ -12,9 +12,9 @@ dies; torch's pinned allocator (`pin_memory=True`) would round each request up t
 the memory cached for the rest of the process. On a machine without CUDA, buffers are aligned but not
 page-locked; the simulated device treats them as pinned (see `is_pinned`).
 
-A host budget (`HostBudget`) bounds the pinned bytes alive in the process while it is in force: a pinned buffer that
-would pass it is refused before any memory is taken, and the budget records the most pinned bytes alive at once (its
-`peak`, measured from the buffers themselves, not counted from a plan).
+A host budget (`HostBudget`) bounds the pinned bytes a block of code adds, by any thread, while it is in force: a
+pinned buffer that would pass it is refused before any memory is taken, and the budget records the most the block held
+pinned at once (its `peak`, measured from the buffers themselves, not counted from a plan).
 
 What this is not: a general allocator. Slots have one size; ask for more and you get a clear error.
 """

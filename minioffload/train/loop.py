@@ -20,8 +20,11 @@ after the update is queued, never per micro-batch.
 
 With `params_on="host"` or `"nvme"` the blocks' weights are streamed (chapter 8, model/streaming.py): they live in
 pinned host memory or on NVMe (weights_dir, or nvme_dir/weights beside the optimizer's state) and come up block by
-block, `prefetch` blocks ahead, so a model several
-times the (sim) device's `device_memory` trains.
+block, `prefetch` blocks ahead, so a model several times the (sim) device's `device_memory` trains.
+
+With `host_budget`, the run's pinned host memory is counted before it starts (train/host_budget.py), refused when
+the count passes the budget, and held to the budget as it runs (pinned.HostBudget); the summary reports the
+measured peak.
 
 With `shard=True`, under torchrun (`torchrun --nproc-per-node N -m minioffload train --shard`), each rank is one
 process with its own device (the sim, or GPU LOCAL_RANK) and OffloadAdam shards the optimizer state (chapter 10,

@@ -16,7 +16,7 @@ or both; the step model also predicts plain data parallel ranks with torch's Ada
 
 What this is not: the Adam hyper-parameters (lr, betas, eps, weight_decay: torch's param-group settings,
 given to the optimizer as torch's are), nor where the NVMe tier's files live (a `Swapper`, built by the caller), nor
-the training loop's own settings (model, batch, steps: train/loop.py's TrainConfig).
+the training loop's own settings (model, batch, steps: train/config.py's TrainConfig).
 """
 
 from __future__ import annotations

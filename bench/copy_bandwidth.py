@@ -4,7 +4,8 @@ On a CUDA machine this measures the real link (PCIe or NVLink-C2C); without one 
 simulated device, whose figures follow its link model (2 GB/s, pageable 2x slower) and only check the
 plumbing. Pinned and pageable copies of each size run interleaved in one process.
 
-Headline (bench/results/copy_bandwidth.json), from this run's rows at the largest size:
+Headline (bench/results/copy_bandwidth.json; copy_bandwidth_cuda.json on a GPU), from this run's rows at the
+largest size:
     pinned_h2d_GBps, pinned_d2h_GBps, pinned_over_pageable_h2d, pinned_over_pageable_d2h
 
     python bench/copy_bandwidth.py [--quick]
@@ -57,7 +58,8 @@ def main() -> int:
         print(f"{d:<10}{'pinned' if p else 'pageable':<10}" + "".join(
             f"{c['median'] / 1e9:>8.2f} [{c['min'] / 1e9:5.2f},{c['max'] / 1e9:6.2f}]" for c in cells))
     print("headline:", ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in headline.items()))
-    print(f"wrote {write('copy_bandwidth', rows, headline, {'sizes': sizes, 'rounds': rounds, 'quick': args.quick})}")
+    name = "copy_bandwidth" if kind == "sim" else "copy_bandwidth_cuda"  # a GPU's figures beside the sim's
+    print(f"wrote {write(name, rows, headline, {'sizes': sizes, 'rounds': rounds, 'quick': args.quick})}")
     return 0
 
 

@@ -39,15 +39,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 420  # 7 minutes, with room in a session's 15 to start the machine and read the results
-TEST_LIMIT_S = 150
+TEST_LIMIT_S = 90  # 55 s on an H200 (2026-12-04)
 FAULTHANDLER_S = 60  # a test stuck this long prints every thread's stack (a deadlock names itself)
 DOCTOR_LIMIT_S = 15
-SHARD_LIMIT_S = 45
+SHARD_LIMIT_S = 35
 TORCHAO_LIMIT_S = 20  # probe the machine's python, install the wheel, probe again: all three together
 WHEEL_DIR = ROOT / "bench" / "wheels"
 # benchmark -> time limit (s): the GPU ones, in --quick sizes that fit a 16-core, 128 GB machine
-BENCHES = {"copy_bandwidth": 25, "offload_step": 60, "hybrid": 35, "streaming": 25, "activations": 25,
-           "checkpoint": 20}
+BENCHES = {"copy_bandwidth": 15, "offload_step": 60, "hybrid": 35, "streaming": 60, "activations": 30,
+           "checkpoint": 60}
 TAKES_DEVICE = {"offload_step", "hybrid", "streaming", "activations", "checkpoint"}  # `--device cuda` is passed
 # chapter -> what of it runs on the GPU -> the test (file::name prefix) or step that runs it there
 TRAIN = "tests/train/test_train_cuda.py::test_on_cuda_train_each_feature_as_on_the_sim"

@@ -202,7 +202,9 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T))
+            # in fp32 whatever the model's dtype: a bf16 loss is rounded to 8 bits (0.03 at a loss of 4), and its
+            # log-softmax over the vocabulary with it
+            loss = F.cross_entropy(logits.view(B * T, -1).float(), targets.reshape(B * T))
         return logits, loss
 
     def num_params(self, exclude_embeddings: bool = False) -> int:

@@ -117,6 +117,10 @@ class OffloadOptions:
     nvme_buffers: int = _option(
         3, lambda v: _int(v) and v >= 3, "at least 3 (one set reading, one updating, one writing)",
         "NVMe tier: pinned working sets the state streams through")
+    grad_buffers: int = _option(
+        3, lambda v: _int(v) and v >= 2, "at least 2 (one set filling while another is written)",
+        "gradients on NVMe (grads_on='nvme'): pinned sets, each the largest subgroup's fp32 gradient and staging, "
+        "that the gradients pass through on their way to the drive")
     nvme_order: str = _option(
         "forward", lambda v: v in ("forward", "alternate"), "'forward' or 'alternate'",
         "NVMe tier: the order subgroups are updated in; 'alternate' reverses it every other step and updates the "
@@ -179,7 +183,8 @@ class Placement:
     The optimizer on the "device" is torch's AdamW there, nothing offloaded; on the "host" it is OffloadAdam (state
     in pinned host memory, the update on the CPU), on "nvme" its NVMe tier. The blocks' weights stay on the device,
     or are streamed block by block from their home ("host" or "nvme"), `prefetch` blocks ahead. With `ranks` > 1
-    each rank has a device and the offloaded optimizer's state is sharded over them (weights replicated)."""
+    each rank has a device and the offloaded optimizer's state is sharded over them (weights replicated). The
+    gradients wait for the update in pinned host memory, or with `grads_on="nvme"` on the NVMe tier's drive."""
 
     optimizer_on: str = _option(
         "host", lambda v: v in HOMES, "one of 'device', 'host', 'nvme'",
@@ -195,6 +200,10 @@ class Placement:
     ranks: int = _option(
         1, lambda v: _int(v) and v >= 1, "an int >= 1 (processes, one device each)",
         "processes, one device each: the offloaded optimizer's state sharded over them, weights replicated")
+    grads_on: str = _option(
+        "host", lambda v: v in ("host", "nvme"), "'host' or 'nvme'",
+        "where the offloaded optimizer's gradients wait for the update: summed in pinned host memory (4 B/param and "
+        "a staging buffer), or on the NVMe tier's drive through grad_buffers pinned sets", str, "HOME")
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -305,12 +314,27 @@ def _ranks_resident(p: Placement, o: OffloadOptions) -> str | None:
                 "weight on each device, not streamed; set params_on='device' or ranks=1")
 
 
+def _grads_on_nvme_tier(p: Placement, o: OffloadOptions) -> str | None:
+    if p.grads_on == "nvme" and p.optimizer_on != "nvme":
+        return (f"grads_on='nvme' keeps the gradients on the NVMe tier's drive, and optimizer_on={p.optimizer_on!r}: "
+                "put the optimizer's state there too, optimizer_on='nvme' (train: nvme_dir), or grads_on='host'")
+
+
+def _grads_on_nvme_synchronous(p: Placement, o: OffloadOptions) -> str | None:
+    if p.grads_on == "nvme" and (o.delayed or o.hybrid or o.speculative or o.bucket_numel is not None
+                                 or p.ranks > 1):
+        return ("grads_on='nvme' runs the synchronous CPU update of one process, its gradients one copy per tensor: "
+                "leave delay_updates_after, gpu_fraction, stride, speculative and bucket_numel off and run one rank, "
+                "or set grads_on='host'")
+
+
 _RULES = (  # (rule, where it holds), the first broken one's message is raised
     (_one_split, (RUN, MODEL)), (_delay_offloads_all, (RUN, MODEL)), (_delay_or_hybrid, (RUN, MODEL)),
     (_speculative_alone, (RUN, MODEL)), (_offload_only, (RUN, MODEL)), (_streamed_needs_offload, (RUN, MODEL)),
     (_ranks_need_offload, (RUN,)), (_streamed_synchronous, (RUN, MODEL)), (_nvme_synchronous, (RUN, MODEL)),
     (_sharded_synchronous, (RUN, MODEL)), (_speculative_resident, (RUN, MODEL)),
-    (_speculative_on_host, (RUN,)), (_ranks_resident, (MODEL,)),
+    (_speculative_on_host, (RUN,)), (_ranks_resident, (MODEL,)), (_grads_on_nvme_tier, (RUN, MODEL)),
+    (_grads_on_nvme_synchronous, (RUN, MODEL)),
 )
 
 

@@ -26,7 +26,8 @@ from ..predict import memory
 from . import plan as plan_cli
 from .args import bytes_arg, parse_count
 
-TRAIN_PLACEMENT = ("params_on", "prefetch")  # the Placement fields train's flags set (the others: --offload, ...)
+# the Placement fields train's flags set (the others: --offload, ...)
+TRAIN_PLACEMENT = ("params_on", "prefetch", "grads_on")
 # the settings' "optimizer_on='device' (train: offload=False)": train's flag for it
 TRAIN_FLAGS = {"offload=False": "--no-offload", "offload=True": "--offload", "nvme_dir": "--nvme-dir",
                "no nvme_dir": "no --nvme-dir", "weights_dir": "--weights-dir", "shard": "--shard"}

@@ -3,7 +3,8 @@
     device_path, nvme = allocate(packing, options, weights, swapper)
 
 A subgroup the CPU updates gets pinned fp32 buffers (master, exp_avg, exp_avg_sq and the accumulated gradient;
-with a swapper only the gradient, its state goes to files through the NVMe tier) and a pinned staging buffer per
+with a swapper only the gradient, its state goes to files through the NVMe tier; with gradients on NVMe too, none:
+grad_spill.py lends it a set) and a pinned staging buffer per
 dtype (gradients arrive there, 16-bit weights leave from there; a delayed update's weights wait in upload buffers of
 their own). With a hybrid split, the device path (device_path.py) takes the resident and streamed subgroups' device
 memory first, so a split that does not fit fails before any state is made or moved. An fp32 streamed weight needs
@@ -26,8 +27,8 @@ from .packing import Packing
 from .weights import WeightUploads
 
 
-def allocate(packing: Packing, options: OffloadOptions, weights: WeightUploads, swapper=None
-             ) -> tuple[DevicePath | None, NvmeTier | None]:
+def allocate(packing: Packing, options: OffloadOptions, weights: WeightUploads, swapper=None,
+             grads_on_nvme: bool = False) -> tuple[DevicePath | None, NvmeTier | None]:
     """Mark where each subgroup is updated and give it its buffers; the device path and the NVMe tier, if any."""
     dev, subgroups = packing.dev, packing.subgroups
     resident, streamed = layout.split_indices(len(subgroups), options.gpu_fraction, options.stride)
@@ -50,6 +51,8 @@ def allocate(packing: Packing, options: OffloadOptions, weights: WeightUploads, 
             sub.buffers = host_buffers(dev, sub.numel, STATE)
             initial_state(packing, sub, sub.buffers)
             continue
+        if grads_on_nvme:  # its gradient and staging are lent by the spill's sets (grad_spill.py), its state on disk
+            continue
         on_host = ("grad",) if swapper is not None else (*STATE, "grad")  # NVMe: the state goes to disk
         sub.buffers = host_buffers(dev, sub.numel, on_host)
         if options.bucket_numel is not None and packing.shard is None:
@@ -63,7 +66,8 @@ def allocate(packing: Packing, options: OffloadOptions, weights: WeightUploads, 
     nvme = None
     if swapper is not None and packing.on_cpu():
         order = "forward" if packing.shard is not None else options.nvme_order  # sharded: in order
-        nvme = NvmeTier(swapper, dev, packing.h2d, packing.on_cpu(), options.nvme_buffers, order)
+        nvme = NvmeTier(swapper, dev, packing.h2d, packing.on_cpu(), options.nvme_buffers, order,
+                        extra=("grad",) if grads_on_nvme else ())
         for sub in packing.on_cpu():
             nvme.store(sub, lambda views, sub=sub: initial_state(packing, sub, views))
     return device_path, nvme

@@ -21,6 +21,9 @@ A failed write (a path gone or full) is raised when its set is next needed, or b
 state then lives only in its working set: the set is kept out of use, and the next visit, store or drain writes
 it again first (raising again while the path is still broken), so no step runs on the older version on disk.
 
+With `extra` names (OffloadAdam with gradients on NVMe: "grad"), each update reads those too, into the same set,
+and never writes them back (grad_spill.py wrote them; a set found holding the state reads its extras only).
+
 What this is not: a cache of reads; a subgroup is found in a set only because it was updated there last.
 """
 
@@ -68,14 +71,15 @@ class NvmeTier:
     (None while it is being read or updated); `total` and `last_visit`: VisitCounts, for the run and the last visit."""
 
     def __init__(self, swapper, dev, h2d_stream, subgroups: list, buffers: int = 3,  # buffers >= 3: options.py
-                 order: str = "alternate"):
+                 order: str = "alternate", extra: tuple[str, ...] = ()):
         if order not in ORDERS:
             raise ValueError(f"nvme_order must be one of {ORDERS}, got {order!r}")
         self.swapper, self.dev, self.h2d, self.order = swapper, dev, h2d_stream, order
+        self.extra = extra  # read with the state for each update, never written back ("grad": grad_spill.py)
         if swapper.trace is None:
             swapper.trace = dev.trace  # reads and writes show on the nvme_read / nvme_write lanes
         largest = max(sub.numel for sub in subgroups)
-        self.sets = [{name: dev.host_empty(largest) for name in STATE} for _ in range(buffers)]
+        self.sets = [{name: dev.host_empty(largest) for name in (*STATE, *extra)} for _ in range(buffers)]
         self._busy: list[tuple | None] = [None] * buffers  # per set: (write futures, upload event) in flight
         self.holds: list = [None] * buffers  # per set: the subgroup whose latest state it holds, or None
         self._unsaved: set[int] = set()  # sets whose write failed: their subgroup's newest state is only there
@@ -112,8 +116,8 @@ class NvmeTier:
                 setattr(counts, name, getattr(counts, name) + value)
 
     # the working sets ------------------------------------------------------------------------------------
-    def _views(self, set_index: int, sub) -> dict:
-        return {name: self.sets[set_index][name][:sub.numel] for name in STATE}
+    def _views(self, set_index: int, sub, names: tuple[str, ...] = STATE) -> dict:
+        return {name: self.sets[set_index][name][:sub.numel] for name in names}
 
     def _wait(self, set_index: int) -> None:
         """The set's previous write is durable and the upload that read it has landed. A failed write is raised,
@@ -196,16 +200,19 @@ class NvmeTier:
         def prefetch(last: int) -> None:
             nonlocal upcoming
             while upcoming <= min(last, len(order) - 1) and (upcoming in cached or free):
-                if upcoming not in cached:
-                    set_index = free[0]
+                sub, names = order[upcoming], self.extra  # a set found holding the state reads the extras only
+                if upcoming in cached:
+                    set_index = cached[upcoming]
+                else:
+                    set_index, names = free[0], (*STATE, *self.extra)
                     self._wait(set_index)
                     free.popleft()
                     self.holds[set_index] = None
-                    sub = order[upcoming]
-                    views = self._views(set_index, sub)
-                    reads[upcoming] = (set_index, [self.swapper.read(self.key(sub, name), into=views[name])
-                                                   for name in STATE])
-                    self._count(reads=1, bytes_read=sum(v.numel() * v.element_size() for v in views.values()))
+                    self._count(reads=1)
+                views = self._views(set_index, sub, names)  # an extra is never written back: no write reads it
+                reads[upcoming] = (set_index, [self.swapper.read(self.key(sub, name), into=views[name])
+                                               for name in names])
+                self._count(bytes_read=sum(v.numel() * v.element_size() for v in views.values()))
                 upcoming += 1
 
         try:
@@ -220,21 +227,19 @@ class NvmeTier:
         depth = len(self.sets) - 2
         for k, sub in enumerate(order):
             prefetch(k + depth)
+            set_index, futures = reads.pop(k)
             if k in cached:
-                set_index = cached[k]
                 self._wait(set_index)  # its last write out and its last upload landed: Adam may change it now
                 self._count(reads_avoided=1)
-            else:
-                set_index, futures = reads.pop(k)
-                for future in futures:
-                    future.result()
+            for future in futures:
+                future.result()
             self.holds[set_index] = None  # being updated: neither the version on disk nor yet the next
-            views = self._views(set_index, sub)
+            views = self._views(set_index, sub, (*STATE, *self.extra))
             sub.buffers.update(views)
             try:
                 yield sub
             finally:
-                for name in STATE:
+                for name in views:
                     del sub.buffers[name]
             uploaded = None
             if record_upload:

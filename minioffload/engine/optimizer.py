@@ -76,6 +76,7 @@ from ..layout import Slot, Subgroup, Where
 from ..options import OffloadOptions, Placement, check_run
 from . import buffers, state
 from .delayed import DelayedUpdate
+from .grad_spill import GradientSpill
 from .gradients import GradientPath
 from .packing import LossScale, Packing
 from .sharded import ShardedSteps
@@ -99,13 +100,13 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def __init__(self, params, dev, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, *, options: OffloadOptions | None = None,
-                 swapper=None, streamer=None, shard=None, **option_fields):
+                 swapper=None, streamer=None, shard=None, grads_on: str = "host", **option_fields):
         options = (options or OffloadOptions()).replace(**option_fields)
         # the run's rules, in the words every entry point uses (options.py); a shard of one rank still runs the
         # sharded step, so it is held to the rules of several
         check_run(Placement(optimizer_on="nvme" if swapper is not None else "host",
                             params_on="host" if streamer is not None else "device",
-                            ranks=max(2, shard.world) if shard is not None else 1), options)
+                            ranks=max(2, shard.world) if shard is not None else 1, grads_on=grads_on), options)
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not trainable:
@@ -143,7 +144,10 @@ class OffloadAdam(torch.optim.Optimizer):
                                                self.packing.subgroups, swapper is not None))
         if streamer is not None:
             streamer.wraps = False  # the blocks change at step(): it prefetches the next pass after the update
-        self.device_path, self.nvme = buffers.allocate(self.packing, options, self.weights, swapper)
+        spills = grads_on == "nvme" and bool(self.packing.on_cpu())
+        self.device_path, self.nvme = buffers.allocate(self.packing, options, self.weights, swapper, spills)
+        self.spill = (GradientSpill(self.packing, self.grads, self.weights, self.nvme, options.grad_buffers,
+                                    options.clips) if spills else None)
         if streamer is not None and self.nvme is None and shard is None:
             buffers.share_homes(self.packing)
         self.speculative = (SpeculativeUpdate(self.packing, self.loss_scale, self.grads, self.weights, options)
@@ -191,6 +195,8 @@ class OffloadAdam(torch.optim.Optimizer):
         self.dev.uses(f"backward of a {tuple(param.shape)} parameter", reads=[param.data], writes=[param.grad])
         if slot.subgroup.where != Where.CPU:  # updated on the device: the gradient stays there
             return self.device_path.take_grad(slot)
+        if self.spill is not None:  # gradients on NVMe: the subgroup gets a pinned set to gather them in
+            self.spill.hold(slot.subgroup)
         self.grads.offload(slot)  # down the link into pinned staging (or into its bucket)
         if self.speculative is not None:  # the subgroup's update may start now, during backward
             self.speculative.arrived(slot.subgroup, slot)
@@ -210,6 +216,8 @@ class OffloadAdam(torch.optim.Optimizer):
             self.sharded.reduce_the_rest(self.kept)
         speculations = self.speculative.join() if self.speculative is not None else {}  # begun during backward
         self.grads.send_partial_buckets()
+        if self.spill is not None:  # every gradient to the drive; what the check and the norm need, per subgroup
+            speculations = self.spill.finish()
         for slot in self.packing.slots.values():
             self.grads.add_pending(slot)
         if not self.grads.finite(speculations, self._device_grads()):  # overflow: skip this step everywhere,
@@ -264,6 +272,8 @@ class OffloadAdam(torch.optim.Optimizer):
             if gather is not None:
                 self.sharded.send_subgroup(sub, gather)
             elif send:
+                if self.spill is not None:  # its new 16-bit weights are rounded in a set of the spill's
+                    self.spill.lend_staging(sub)
                 self.weights.upload(slots, whole=True)
             else:
                 for slot in slots:
@@ -271,6 +281,8 @@ class OffloadAdam(torch.optim.Optimizer):
             sub.buffers["grad"].zero_()
         if gather is not None:
             gather.finish()
+        if self.spill is not None:
+            self.spill.end_step()
         if send:
             self.weights.sent()
         if self.streamer is not None:
@@ -378,6 +390,11 @@ class OffloadAdam(torch.optim.Optimizer):
         if self.speculative is not None and self.speculative.speculations:
             self.speculative.discard()  # zero_grad without step(): the speculated weights are taken back
         self.grads.send_partial_buckets()
+        if self.spill is not None:  # this step's gradients, in the spill's sets and on the drive, are dropped
+            self.spill.discard()
+            for slot in self.packing.slots.values():
+                slot.has_grad = False
+            return
         if not any(slot.has_grad or slot.pending or (slot.bucket and slot.bucket.pending)
                    for slot in self.packing.slots.values()):
             return  # nothing arrived since step() consumed the gradients (and zeroed their buffers)
@@ -398,6 +415,16 @@ class OffloadAdam(torch.optim.Optimizer):
             for index, sub in enumerate(self.subgroups):
                 flat[id(sub)] = self.shard.broadcast_host(flat[id(sub)], sub.numel, index)
         return [slot.shaped(flat[id(slot.subgroup)]) for slot in self.packing.slots.values()]
+
+    def pinned_bytes(self) -> int:
+        """The pinned host memory the optimizer holds: its subgroups' buffers, the NVMe tier's working sets and the
+        gradients' sets, each storage counted once (device-held buffers left out)."""
+        tensors = [t for sub in self.subgroups for t in sub.held().values()]
+        for part in (self.nvme, self.spill):
+            tensors += [t for one in (part.sets if part is not None else []) for t in one.values()]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                    if not self.dev.is_device(t)}
+        return sum(storages.values())
 
     def read_state(self, *names: str) -> dict:
         """NVMe tier: {id(subgroup): {name: a fresh host tensor read from the disk}} ({} without the tier)."""

@@ -73,12 +73,12 @@ class WeightUploads:
             if slot.param.dtype == torch.float32:
                 source = master
             else:
-                self._staging_free(slot.subgroup)
+                self.staging_free(slot.subgroup)
                 source = self.packing.staging(slot)
                 source.copy_(master)  # round to the model's dtype (nearest even), on the CPU
             dev.copy(slot.param.data, source, h2d, name="h2d weights")
 
-    def _staging_free(self, sub: Subgroup) -> None:
+    def staging_free(self, sub: Subgroup) -> None:
         """Wait until no copy still reads `sub`'s staging (the host is about to round new weights into it)."""
         before = self.staged.pop(id(sub), None)
         if before is not None:
@@ -92,7 +92,7 @@ class WeightUploads:
             dev.stream_waits_for_compute(h2d)
         pieces = [(sub.weights, master, slice(0, sub.numel))] if sub.weights is not None else [
             (slot.param.data, slot.shaped(master), slice(slot.offset, slot.offset + slot.numel)) for slot in sub.slots]
-        self._staging_free(sub)  # a copy may still read the staging we are about to overwrite
+        self.staging_free(sub)  # a copy may still read the staging we are about to overwrite
         rounded = False
         for weights, source, span in pieces:
             if weights.dtype != torch.float32:

@@ -165,7 +165,8 @@ def engine_bytes(numels: list[int], precision: str = "mixed_bf16", placement: Pl
     device: the weights, and for hybrid updates (gpu_fraction, stride) the resident subgroups' state and gradient
     (16 B/param) and `scratch_sets` sets of the largest streamed subgroup (state and gradient, 16 B/param each): 3 on
     a GPU, on the sim what `hybrid.scratch_sets` answers for its link (`DevicePath.sets`). host: pinned memory (with
-    the delayed update, the upload buffers; with `speculative`, a second set of state for every CPU subgroup).
+    the delayed update, the upload buffers; with `speculative`, a second set of state for every CPU subgroup; with
+    grads_on="nvme", no gradient per parameter but `grad_buffers` sets of the largest subgroup's).
     nvme: the swapper's files (two versions of each subgroup's state, padded to 4 KiB). Refuses what the engine
     refuses (options.check_run); the kept small parameters of `min_offload_numel` are not modelled.
 
@@ -188,13 +189,19 @@ def engine_bytes(numels: list[int], precision: str = "mixed_bf16", placement: Pl
     device = sum(numels) * model_b + 16 * sum(sizes[i] for i in resident)
     device += scratch_sets * 16 * max((sizes[i] for i in streamed), default=0)
     host = state * sum(sizes[i] for i in streamed)  # streamed subgroups keep their state on the host
-    per_cpu_param = (4 + model_b + (model_b if options.delayed else 0) + (0 if nvme else state)
-                     + (state if options.speculative else 0))
+    grads_on_nvme = placement.grads_on == "nvme"
+    per_cpu_param = ((0 if grads_on_nvme else 4 + model_b) + (model_b if options.delayed else 0)
+                     + (0 if nvme else state) + (state if options.speculative else 0))
     host += per_cpu_param * sum(on_cpu)
     disk = 0
     if nvme and on_cpu:
-        host += options.nvme_buffers * state * max(on_cpu)
-        disk = sum(2 * 3 * (-(-4 * n // 4096) * 4096) for n in on_cpu)
+        # the working sets (with gradients on NVMe, each reads the gradient too); the files, padded to 4 KiB, two
+        # versions of each
+        host += options.nvme_buffers * (state + (4 if grads_on_nvme else 0)) * max(on_cpu)
+        files = 3 + (1 if grads_on_nvme else 0)
+        disk = sum(2 * files * (-(-4 * n // 4096) * 4096) for n in on_cpu)
+    if grads_on_nvme and on_cpu:  # the gradients' pinned sets: fp32 sum and staging of the largest subgroup
+        host += options.grad_buffers * (4 + model_b) * max(on_cpu)
     return {"device": device, "host": host, "nvme": disk}
 
 

@@ -46,6 +46,7 @@ class TrainConfig:
     activations: str = "keep"  # a policy of model/activations.py for every block, or one per block, comma-separated
     params_on: str = "device"  # where the blocks' weights live: "device", or streamed from "host" or "nvme"
     prefetch: int = 1  # streamed: blocks fetched ahead of the one computing
+    grads_on: str = "host"  # where the gradients wait for the update: "host", or "nvme" (with nvme_dir)
     device_memory: int | None = None  # the sim device's memory in bytes (None: its default, 4 GiB)
     host_budget: int | None = None  # bytes of pinned host memory the run may hold (None: no bound); refused before
     #                                 it starts when its count is more, and held to it as it runs
@@ -119,7 +120,8 @@ class TrainConfig:
         checked as one of several ranks)."""
         optimizer_on = "device" if not self.offload else "host" if self.nvme_dir is None else "nvme"
         ranks = max(2, int(os.environ.get("WORLD_SIZE", 2))) if self.shard else 1
-        return Placement(optimizer_on=optimizer_on, params_on=self.params_on, prefetch=self.prefetch, ranks=ranks)
+        return Placement(optimizer_on=optimizer_on, params_on=self.params_on, prefetch=self.prefetch, ranks=ranks,
+                         grads_on=self.grads_on)
 
 
 def _choice(name: str, value, allowed: tuple[str, ...]) -> None:

@@ -238,7 +238,7 @@ def _run(config, dev, model, tok, train_tokens, val_tokens, out_dir, shard=None,
         options = config.optimizer  # a speculative update starts during the step's last micro-batch
         options = options.replace(backwards_per_step=config.grad_accum) if options.speculative else options
         opt = OffloadAdam(params, dev, lr=config.lr, options=options, swapper=swapper, streamer=streamer,
-                          shard=shard)
+                          shard=shard, grads_on=config.grads_on)
     else:
         if config.precision == "bf16":
             warnings.warn("precision='bf16' with offload=False: torch AdamW updates the bf16 weights directly "

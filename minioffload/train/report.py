@@ -60,8 +60,7 @@ def summarize(config, dev, model, tok, opt, windows, losses, val_losses, tokens_
     split["step_s"] = step_time / n
     split["step_median_s"] = sorted(durations)[n // 2]  # robust to steps stalled by other processes
     split["step_min_s"] = min(durations)  # the step with the fewest stalls: what it costs on a quiet machine
-    host_bytes = (sum(t.numel() * t.element_size() for sub in opt.subgroups for t in sub.held().values())
-                  if isinstance(opt, OffloadAdam) else 0)
+    host_bytes = opt.pinned_bytes() if isinstance(opt, OffloadAdam) else 0
     start_ids = tok.encode("\n") if "\n" in tok.chars else [0]
     idx = dev.to_device(torch.tensor([start_ids], dtype=torch.long))
     generated = model.generate(idx, SAMPLE_CHARS, generator=torch.Generator().manual_seed(config.seed))
@@ -105,6 +104,16 @@ _LABELS = {"forward_s": "forward", "backward_s": "backward", "exposed_d2h_s": "e
            "other_s": "other (data, sync, bookkeeping)", "step_s": "step total"}
 
 
+def _optimizer_words(cfg: dict) -> str:
+    if not cfg["offload"]:
+        return "AdamW on the device (baseline)"
+    if cfg.get("nvme_dir") is None:
+        return "OffloadAdam (state on the host)"
+    if cfg.get("grads_on") == "nvme":
+        return f"OffloadAdam (state and gradients on NVMe, {cfg['grad_buffers']} pinned gradient sets)"
+    return "OffloadAdam (state on NVMe)"
+
+
 def format_summary(summary: dict) -> str:
     """The summary as a small table, for the terminal."""
     cfg = summary["config"]
@@ -114,7 +123,7 @@ def format_summary(summary: dict) -> str:
     on_nvme = f", {format_bytes(nvme_bytes)} on NVMe" if nvme_bytes else ""
     budget = f" of a {format_bytes(summary['host_budget'])} budget" if summary.get("host_budget") else ""
     lines = [f"{cfg['model']} GPT, {summary['num_params']:,} parameters, {cfg['precision']}, "
-             f"{'OffloadAdam (state on the host)' if cfg['offload'] else 'AdamW on the device (baseline)'}"
+             f"{_optimizer_words(cfg)}"
              f"{'' if delayed is None else f', updates delayed one step after step {delayed}'}"
              f"{''.join(f', hybrid {k} {cfg[k]}' for k in ('gpu_fraction', 'stride') if cfg.get(k) is not None)}, "
              f"{cfg['device']} device",

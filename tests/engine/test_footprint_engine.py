@@ -12,7 +12,8 @@ from minioffload.predict import memory
 SHAPES = [(48, 40), (40,), (64, 48), (48,), (40, 64), (40,), (300,), (7, 9)]  # uneven, so packing matters
 OPTIONS = {"plain": {}, "delayed": {"delay_updates_after": 0}, "static split": {"gpu_fraction": 0.5},
            "streamed split": {"stride": 2}, "nvme": {"nvme": True},
-           "speculative, buckets": {"speculative": True, "bucket_numel": 100}}
+           "speculative, buckets": {"speculative": True, "bucket_numel": 100},
+           "nvme, gradients there too": {"nvme": True, "grads_on": "nvme", "grad_buffers": 2}}
 
 
 def host_bytes(opt: OffloadAdam) -> int:
@@ -21,6 +22,8 @@ def host_bytes(opt: OffloadAdam) -> int:
     tensors = [t for sub in opt.subgroups for t in sub.held().values()]
     if opt.nvme is not None:
         tensors += [t for working_set in opt.nvme.sets for t in working_set.values()]
+    if opt.spill is not None:
+        tensors += [t for spill_set in opt.spill.sets for t in spill_set.values()]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
                 if not opt.dev.is_device(t)}
     return sum(storages.values())
@@ -54,7 +57,8 @@ def test_engine_allocates_exactly_what_the_calculator_says(precision, option, tm
             [p.numel() for p in params], precision, optimizer_on="nvme" if nvme else "host", subgroup_numel=4000,
             delay_updates_after=options.get("delay_updates_after"), gpu_fraction=options.get("gpu_fraction"),
             stride=options.get("stride"),
-            speculative=options.get("speculative", False),
+            speculative=options.get("speculative", False), grads_on=options.get("grads_on", "host"),
+            grad_buffers=options.get("grad_buffers", 3),
             scratch_sets=opt.device_path.sets if opt.device_path is not None else 3)
         assert len(opt.subgroups) > 2
         assert host_bytes(opt) == predicted["host"]

@@ -226,3 +226,25 @@ def test_a_run_leaves_no_optimizer_behind(tmp_path):
     before = alive()
     train(TrainConfig(steps=2, out_dir=str(tmp_path), **SHORT))
     assert alive() == before
+
+
+def test_gradients_on_nvme_train_the_same_losses_from_the_command_line(tmp_path, capsys):
+    """Everything off the host but a few pinned sets: weights streamed from NVMe, the optimizer's state and the
+    gradients (accumulated over two micro-batches) there too; bf16, clipping on. The losses are the run's with the
+    gradients summed in host memory, bit for bit; the optimizer pins less (its sets are a few subgroups')."""
+    common = dict(steps=3, grad_accum=2, precision="bf16", params_on="nvme", prefetch=1, device_memory=700_000,
+                  optimizer=TrainConfig().optimizer.replace(max_grad_norm=0.5, subgroup_numel=8192), **SHORT)
+    host = train(TrainConfig(nvme_dir=str(tmp_path / "host-disk"), out_dir=str(tmp_path / "host"), **common))
+    argv = ["train", "--device", "sim", "--model", "tiny", "--block-size", "32", "--batch-size", "8", "--steps", "3",
+            "--grad-accum", "2", "--precision", "bf16", "--params-on", "nvme", "--device-memory", "700KB",
+            "--max-grad-norm", "0.5", "--subgroup-numel", "8192", "--grads-on", "nvme", "--grad-buffers", "2",
+            "--nvme-dir", str(tmp_path / "disk"),
+            "--no-progress", "--out-dir", str(tmp_path / "nvme")]
+    assert main(argv) == 0
+    assert "OffloadAdam (state and gradients on NVMe, 2 pinned gradient sets)" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "nvme" / "summary.json").read_text())
+    losses = [float(row["train_loss"]) for row in csv.DictReader(open(tmp_path / "nvme" / "loss.csv"))]
+    assert losses == pytest.approx(host.losses, abs=1e-6) and summary["final_train_loss"] == host.losses[-1]
+    assert summary["optimizer_host_bytes"] < host.summary["optimizer_host_bytes"]
+    with pytest.raises(ValueError, match="grads_on='nvme' keeps the gradients on the NVMe tier's drive"):
+        TrainConfig(grads_on="nvme")

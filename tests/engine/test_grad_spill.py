@@ -1,0 +1,136 @@
+"""Gradients on NVMe (engine/grad_spill.py): the same training, bit for bit, as gradients summed in host memory, with
+host memory holding a few pinned sets instead of a gradient per parameter; the drive traffic it costs, counted."""
+
+import re
+
+import pytest
+import torch
+from helpers import HYPER, Toy, batch, loss_of, on_sim, train
+
+from minioffload.devices import device
+from minioffload.engine.optimizer import OffloadAdam
+from minioffload.nvme.swapper import Swapper
+
+
+def run(tmp_path, grads_on="host", steps=3, micro_batches=2, clip=0.5, dtype=torch.float32,
+        use_side=lambda step: step % 2 == 1, **options):
+    torch.manual_seed(0)
+    model = Toy().to(dtype)
+    (tmp_path / grads_on).mkdir(exist_ok=True)
+    swapper = Swapper(tmp_path / grads_on, block_size=8192, workers=2)
+    with device("sim") as dev:
+        opt = OffloadAdam(on_sim(model, dev).parameters(), dev, subgroup_numel=300, max_grad_norm=clip,
+                          swapper=swapper, grads_on=grads_on, **options, **HYPER)
+        losses = train(model, opt, steps, micro_batches, use_side=use_side)
+        masters = [m.clone() for m in opt.master_weights()]
+        held = [dict(sub.buffers) for sub in opt.subgroups]
+    swapper.close()
+    return losses, masters, [p.detach().clone() for p in model.parameters()], opt, held
+
+
+def same(a, b) -> bool:
+    return a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1] + a[2], b[1] + b[2], strict=True))
+
+
+@pytest.mark.parametrize("dtype, sets", [(torch.float32, 2), (torch.bfloat16, 2), (torch.bfloat16, 3)])
+def test_gradients_on_nvme_train_bit_for_bit_like_gradients_in_host_memory(tmp_path, dtype, sets):
+    host = run(tmp_path, dtype=dtype)
+    spilled = run(tmp_path, "nvme", dtype=dtype, grad_buffers=sets)
+    assert same(host, spilled)
+    opt = spilled[3]
+    assert len(opt.subgroups) > sets  # more subgroups than sets: sets were handed over
+    assert all(held == {} for held in spilled[4])  # between steps no subgroup holds a gradient in host memory
+    assert all(held.get("grad") is not None for held in host[4])  # (the host path does)
+    assert all(f"subgroup{i}/grad" in opt.swapper.keys() for i in range(len(opt.subgroups)))
+
+
+@pytest.mark.parametrize("options", [{"loss_scale": 256.0}, {"loss_scale": "dynamic", "growth_interval": 2},
+                                     {"max_grad_norm": None}])
+def test_loss_scaling_and_no_clipping_match_too(tmp_path, options):
+    clip = options.pop("max_grad_norm", 0.5)
+    host = run(tmp_path, clip=clip, steps=4, **options)
+    spilled = run(tmp_path, "nvme", clip=clip, steps=4, grad_buffers=2, **options)
+    assert same(host, spilled)
+    assert host[3].skipped_steps == spilled[3].skipped_steps
+
+
+def test_overflowing_steps_are_skipped_and_their_gradients_dropped(tmp_path):
+    """A loss scale of 1e40 overflows fp32 gradients: those steps are skipped (halving the scale each time) until it
+    is small enough, and a step's gradients never add to a skipped step's (the drive's partial sums are forgotten)."""
+    def scaled_run(grads_on):
+        torch.manual_seed(0)
+        model = Toy()
+        (tmp_path / grads_on).mkdir()
+        swapper = Swapper(tmp_path / grads_on, block_size=8192, workers=2)
+        with device("sim") as dev:
+            opt = OffloadAdam(on_sim(model, dev).parameters(), dev, subgroup_numel=300, max_grad_norm=0.5,
+                              swapper=swapper, grads_on=grads_on, grad_buffers=2, loss_scale="dynamic", **HYPER)
+            opt.loss_scale.scale = 1e40  # past fp32's largest: inf gradients until halved
+            for step in range(8):
+                for micro in range(2):
+                    opt.scale_loss(loss_of(model, *batch(100 * step + micro)) / 2).backward()
+                opt.step()
+                opt.zero_grad()
+            masters = [m.clone() for m in opt.master_weights()]
+        swapper.close()
+        return opt.skipped_steps, masters
+
+    (host_skipped, host), (skipped, spilled) = scaled_run("host"), scaled_run("nvme")
+    assert 0 < skipped == host_skipped < 8  # some skipped, then some updated
+    assert all(torch.equal(a, b) for a, b in zip(host, spilled, strict=True))
+
+
+def test_accumulation_reads_back_each_partial_sum_once_and_writes_each_sum_once(tmp_path):
+    """Every subgroup gets a gradient in every backward (no side branch) and subgroups complete one after another: a
+    subgroup's sum goes to the drive once per micro-batch, and every micro-batch after the first reads it back."""
+    steps, micro = 2, 3
+    losses, _, _, opt, _ = run(tmp_path, "nvme", steps=steps, micro_batches=micro, use_side=lambda step: True,
+                               grad_buffers=2)
+    params = sum(sub.numel for sub in opt.subgroups)
+    assert opt.spill.bytes_written == 4 * params * micro * steps
+    assert opt.spill.bytes_read == 4 * params * (micro - 1) * steps
+    # the update reads each subgroup's gradient with its state: 16 B/param per step
+    assert opt.nvme.total.bytes_read == 16 * params * steps
+
+
+def test_zero_grad_without_a_step_drops_the_gradients_on_the_drive(tmp_path):
+    def drop_then_train(grads_on):
+        torch.manual_seed(0)
+        model = Toy()
+        (tmp_path / grads_on).mkdir()
+        swapper = Swapper(tmp_path / grads_on, block_size=8192, workers=2)
+        with device("sim") as dev:
+            opt = OffloadAdam(on_sim(model, dev).parameters(), dev, subgroup_numel=300, max_grad_norm=0.5,
+                              swapper=swapper, grads_on=grads_on, grad_buffers=2, **HYPER)
+            train(model, opt, 1, 2)
+            for seed in (7, 8):  # two backwards, then dropped
+                loss_of(model, *batch(seed)).backward()
+            opt.zero_grad()
+            losses = train(model, opt, 2, 2)
+            masters = [m.clone() for m in opt.master_weights()]
+        swapper.close()
+        return losses, masters
+
+    host, spilled = drop_then_train("host"), drop_then_train("nvme")
+    assert host[0] == spilled[0] and all(torch.equal(a, b) for a, b in zip(host[1], spilled[1], strict=True))
+
+
+@pytest.mark.parametrize("options, words", [
+    ({}, "optimizer_on='nvme'"),
+    ({"swapper": True, "bucket_numel": 64}, "grads_on='nvme' runs the synchronous CPU update"),
+    ({"swapper": True, "grad_buffers": 1}, "grad_buffers must be at least 2"),
+    ({"swapper": True, "grads_on": "disk"}, "grads_on must be 'host' or 'nvme'"),
+])
+def test_what_gradients_on_nvme_cannot_run_is_refused_by_name(tmp_path, options, words):
+    options = {"grads_on": "nvme", **options}
+    swapper = Swapper(tmp_path) if options.pop("swapper", False) else None
+    model = Toy()
+    with device("sim") as dev:
+        params = list(on_sim(model, dev).parameters())
+        with pytest.raises(ValueError, match=re.escape(words)):
+            OffloadAdam(params, dev, swapper=swapper, **options)
+        loss_of(model, *batch(0)).backward()  # no hook of a refused optimizer takes the gradients away
+        assert all(p.grad is not None for p in params if p.requires_grad and p is not model.side.weight
+                   and p is not model.side.bias)
+    if swapper:
+        swapper.close()

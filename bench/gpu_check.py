@@ -1,5 +1,5 @@
 """Everything that needs a GPU, in one go, within 7 minutes: the `gpu` tests (a CUDA test for every feature of
-chapters 2-11, with the GPU kept busy so it lags the host as in training), `doctor` on the machine (CUDA seen,
+chapters 2-12, with the GPU kept busy so it lags the host as in training), `doctor` on the machine (CUDA seen,
 locked-memory limit, host memory), a sharded run (`train --shard` under torchrun, NCCL, one rank per GPU) and the
 GPU benchmarks in --quick mode.
 
@@ -77,6 +77,7 @@ FEATURES = {
     11: {"async checkpoint, resumed": f"{RESUME}[lazy async]",
          "DCP checkpoint, resumed": f"{RESUME}[torch.distributed.checkpoint]",
          "checkpoints timed": "checkpoint"},
+    12: {"gradients on NVMe through a few pinned sets": f"{TRAIN}[gradients on NVMe]"},
 }
 
 

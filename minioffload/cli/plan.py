@@ -153,7 +153,7 @@ def planned_config(args: argparse.Namespace, tr: argparse.ArgumentParser, fields
     except ValueError as err:
         tr.error(f"--plan: {err}")
     planned = ("model", "block_size", "batch_size", "grad_accum", "precision", "offload", "activations", "params_on",
-               "prefetch")
+               "prefetch", "grads_on")
     defaults = TrainConfig()
     clash = [name for name in planned if fields[name] != getattr(defaults, name)]
     if options.from_flags(args) != defaults.optimizer:

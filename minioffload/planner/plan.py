@@ -8,8 +8,9 @@ step model and the byte counts predict for it. Written to and read from JSON (`P
 A `Plan` names where each part of the training state lives:
 
     weights       params_on      "device" (resident) | "host" | "nvme" (streamed block by block, chapter 8)
-    gradients     gradients_on   "device" with the optimizer on the device, else "host" (the engine sums every
-                                 micro-batch's gradients in pinned host memory, chapter 3)
+    gradients     gradients_on   "device" with the optimizer on the device, else `grads_on`: "host" (the engine
+                                 sums every micro-batch's gradients in pinned host memory, chapter 3) or "nvme"
+                                 (through a few pinned sets to the optimizer's drive, chapter 12)
     optimizer     optimizer_on   "device" (torch AdamW) | "host" (OffloadAdam) | "nvme" (its NVMe tier, chapter 6)
     activations   activations    one chapter 7 policy per block
 
@@ -64,6 +65,7 @@ class Plan:
     busy: dict = field(default_factory=dict)  # lane -> predicted busy seconds per step (stepmodel's lanes)
     capacity: dict = field(default_factory=dict)  # tier -> bytes the plan was made for (None: unbounded)
     ranks: int = 1  # processes, one device each: the optimizer state sharded over them (memory and capacity per rank)
+    grads_on: str = "host"  # offloaded: where the gradients wait for the update, "host" or "nvme" (with the state)
 
     def __post_init__(self) -> None:
         if self.precision not in PLAN_PRECISIONS:
@@ -84,7 +86,7 @@ class Plan:
     @property
     def placement(self) -> Placement:
         return Placement(optimizer_on=self.optimizer_on, params_on=self.params_on, prefetch=self.prefetch,
-                         ranks=self.ranks)
+                         ranks=self.ranks, grads_on=self.grads_on)
 
     @property
     def options(self) -> OffloadOptions:
@@ -122,11 +124,11 @@ class Plan:
         return TrainConfig(model=self.model.preset, block_size=self.model.seq_len, batch_size=self.micro_batch,
                            grad_accum=self.grad_accum, precision="fp32" if self.precision == "fp32" else "bf16",
                            offload=self.placement.offloaded, optimizer=self.options, activations=activations,
-                           params_on=self.params_on, prefetch=self.prefetch, **overrides)
+                           params_on=self.params_on, prefetch=self.prefetch, grads_on=self.grads_on, **overrides)
 
     @property
     def gradients_on(self) -> str:
-        return "device" if self.optimizer_on == "device" else "host"
+        return "device" if self.optimizer_on == "device" else self.grads_on
 
     @property
     def tokens_per_step(self) -> int:

@@ -72,8 +72,8 @@ def nothing_fits(model, hw, limits, capacity, short: dict[str, float], closest) 
                 f"{closest.micro_batch})")
     hint = ""
     if short.get("host", 0) > 0 and closest is not None and closest.optimizer_on != "device":
-        hint = (" The offloaded optimizer keeps every gradient in pinned host memory (6 B/param for 16-bit "
-                "weights), and its state there unless it is on NVMe.")
+        hint = (" The offloaded optimizer keeps its state in pinned host memory unless it is on NVMe, and every "
+                "gradient there (6 B/param for 16-bit weights) unless they are on NVMe with it (grads_on='nvme').")
     if limits.ranks > 1:
         hint += f" With {limits.ranks} ranks each rank's memory is its own share; {NOT_WITH_RANKS}."
     return (f"no configuration of the runtime trains the {model} on {hw.name} with a batch of {limits.batch} "

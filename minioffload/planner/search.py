@@ -117,6 +117,7 @@ class _Config:
     hybrid: bool
     subgroup_numel: int
     micro_batch: int
+    grads_on: str = "host"
 
 
 def subgroup_sizes(model: ModelSpec) -> tuple[int, ...]:
@@ -145,8 +146,10 @@ def _configs(model: ModelSpec, limits: Limits, capacity) -> list[_Config]:
             splits = ((False, False), (True, False), (False, True)) if resident_offload else ((False, False),)
             for delay, hybrid in splits[:1] if limits.ranks > 1 else splits:  # the sharded update is synchronous
                 sizes = subgroup_sizes(model) if optimizer_on != "device" else (1 << 22,)
-                out += [_Config(optimizer_on, params_on, k, delay, hybrid, s, m)
-                        for k in depths for s in sizes for m in micro]
+                # with the state on NVMe, one process: the gradients wait in host memory, or on the drive too
+                grads = ("host", "nvme") if optimizer_on == "nvme" and limits.ranks == 1 else ("host",)
+                out += [_Config(optimizer_on, params_on, k, delay, hybrid, s, m, g)
+                        for k in depths for s in sizes for m in micro for g in grads]
     return out
 
 
@@ -158,9 +161,11 @@ def _state_bytes(model: ModelSpec, c: _Config, precision: str, ranks: int = 1) -
         return {"device": fp.bytes(model.num_params, "device"), "host": 0, "nvme": 0}
     if c.params_on == "device":
         return memory.engine_bytes(tensor_numels(model), precision, optimizer_on=c.optimizer_on, ranks=ranks,
-                                   subgroup_numel=c.subgroup_numel, delay_updates_after=0 if c.delay else None)
+                                   subgroup_numel=c.subgroup_numel, delay_updates_after=0 if c.delay else None,
+                                   grads_on=c.grads_on)
     return memory.streamed_bytes(model.num_params, model.n_layer, model.resident_params, c.params_on, c.prefetch,
-                                 precision, nvme=c.optimizer_on == "nvme", subgroup_numel=c.subgroup_numel)
+                                 precision, nvme=c.optimizer_on == "nvme", subgroup_numel=c.subgroup_numel,
+                                 grads_on=c.grads_on)
 
 
 def _problem(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capacity, base: dict, accum: int
@@ -238,6 +243,8 @@ def _accumulation_s(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits) 
     grads = own * model.num_params * mb / hw.link_d2h
     summed = own * model.num_params * (stepmodel.ACCUMULATE_BYTES + mb) / hw.host_bandwidth
     moves = [grads, summed, ring_bytes("reduce", model.num_params * mb, limits.ranks) / hw.interconnect]
+    if c.grads_on == "nvme":  # each subgroup's partial sum read back from the drive and written again
+        moves.append(model.num_params * 4 * (1 / hw.nvme_read + 1 / hw.nvme_write))
     if c.params_on != "device":  # every block comes up again (forward and backward), as stepmodel fetches them
         fetches = streamed_fetches(model.n_layer, c.prefetch)
         compute += fetches * hw.fetch_overhead  # the streamer's hooks fetch and release each on the compute thread
@@ -287,7 +294,7 @@ def _evaluate(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capaci
     held = problem.device_bytes(solution.counts, 0)
     offloaded = sum(o.host_bytes * solution.counts.get(o.name, 0) for o in problem.options)
     draft = Plan(model, name, limits.precision, c.micro_batch, accum, c.optimizer_on, c.params_on, policies, c.prefetch,
-                 c.subgroup_numel, c.delay, gpu_fraction, ranks=limits.ranks)  # its predictions come next
+                 c.subgroup_numel, c.delay, gpu_fraction, ranks=limits.ranks, grads_on=c.grads_on)  # predicted next
     predicted_s, predicted_busy, predicted_bound = _predicted(
         model.workload(c.micro_batch * model.seq_len, limits.precision), hw, draft.step_config(limits.mfu))
     extra = sum(o.extra_s * solution.counts.get(o.name, 0) for o in problem.options)  # already x accum
@@ -341,7 +348,7 @@ def step_seconds(p: Plan, hw: Hardware, limits: Limits) -> float:
                        p.model.fused_attention)
     costs = policy_costs(block, hw, limits.mfu)
     c = _Config(p.optimizer_on, p.params_on, p.prefetch, p.delay, p.gpu_fraction is not None, p.subgroup_numel,
-                p.micro_batch)
+                p.micro_batch, p.grads_on)
     return (prediction(p, hw, limits).step_s + p.model.n_layer * limits.block_overhead_s
             + p.grad_accum * sum(costs[a].extra_s for a in p.activations)
             + (p.grad_accum - 1) * _accumulation_s(p.model, hw, c, limits))
@@ -381,7 +388,7 @@ def search(model: ModelSpec, hw: Hardware, limits: Limits | None = None,
 
 def _key(plan: Plan) -> _Config:
     return _Config(plan.optimizer_on, plan.params_on, plan.prefetch, plan.delay, plan.gpu_fraction is not None,
-                   plan.subgroup_numel, 0)
+                   plan.subgroup_numel, 0, plan.grads_on)
 
 
 def train_config(plan: Plan, **overrides):

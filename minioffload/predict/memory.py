@@ -92,7 +92,7 @@ class Footprint:
 
 
 def footprint(precision: str = "mixed_bf16", optimizer: str = "adam", placement: str = "device",
-              delay: bool = False, speculative: bool = False) -> Footprint:
+              delay: bool = False, speculative: bool = False, grads_on: str = "host") -> Footprint:
     """Bytes per parameter of weights, grads, master weights and optimizer state, per tier.
 
     precision: "fp32" (everything fp32), "mixed_fp16"/"mixed_bf16" (16-bit weights and grads, fp32
@@ -112,6 +112,8 @@ def footprint(precision: str = "mixed_bf16", optimizer: str = "adam", placement:
     delay: the one-step delayed update (chapter 4): new weights wait in upload buffers of their own.
     speculative: the speculative update (chapter 4): a second set of master weights and state ("spare") that the
         update writes into during backward, until validation keeps it.
+    grads_on: "nvme" (with the state on NVMe, chapter 12): the fp32 gradients wait on the drive (two versions), and
+        host memory holds no gradient per parameter (their few pinned sets are per subgroup: `engine_bytes`).
 
     Offloaded placements count what minioffload's engine (`OffloadAdam`) allocates, not the textbook
     minimum: gradients arrive in a pinned staging buffer in the model's dtype and are summed into an fp32
@@ -126,6 +128,11 @@ def footprint(precision: str = "mixed_bf16", optimizer: str = "adam", placement:
     _require(precision, PRECISIONS, "precision")
     _require(optimizer, OPTIMIZERS, "optimizer")
     _require(placement, PLACEMENTS, "placement")
+    if grads_on not in ("host", "nvme"):
+        raise ValueError(f"grads_on must be 'host' or 'nvme', got {grads_on!r}")
+    if grads_on == "nvme" and placement not in ("optimizer_nvme", "params_nvme"):
+        raise ValueError(f"grads_on='nvme' keeps the gradients beside the optimizer's state on NVMe: placement "
+                         f"'optimizer_nvme' or 'params_nvme', got {placement!r}")
     for name, on in (("the delayed update", delay), ("the speculative update", speculative)):
         if on and placement != "optimizer_cpu":
             raise ValueError(f"{name} runs with placement 'optimizer_cpu' only (the engine refuses it with the NVMe "
@@ -139,6 +146,8 @@ def footprint(precision: str = "mixed_bf16", optimizer: str = "adam", placement:
     parts = [Part("weights", weights_tier, model_b)]
     if placement == "device":
         parts.append(Part("grads", "device", model_b))
+    elif grads_on == "nvme":  # summed in a few pinned sets (per subgroup, not per parameter), then on the drive
+        parts += [Part("grads", "nvme", 4), Part("previous grads", "nvme", 4)]
     else:  # the engine's gradient path: staging in the model's dtype, summed into an fp32 buffer
         parts += [Part("grads", "host", 4), Part("staging", "host", model_b)]
     needs_master = model_b != master_b or state_tier != weights_tier or placement == "params_nvme"
@@ -285,7 +294,7 @@ def activation_bytes(num_layers: int, seq_len: int, batch_size: int, hidden: int
 
 def streamed_bytes(num_params: float, num_layers: int, resident_params: float = 0, params_on: str = "host",
                    prefetch: int = 1, precision: str = "mixed_bf16", nvme: bool = False, activations: int = 0,
-                   subgroup_numel: int = 1 << 22) -> dict[str, int]:
+                   subgroup_numel: int = 1 << 22, grads_on: str = "host", grad_buffers: int = 3) -> dict[str, int]:
     """Bytes on each tier when the blocks' weights are streamed (chapter 8) from their home `params_on` ("host" or
     "nvme"), `prefetch` blocks ahead, with the optimizer offloaded (its state on NVMe when `nvme`). The model is
     `num_layers` equal blocks plus `resident_params` outside them (embeddings, tied head, final norm).
@@ -298,6 +307,8 @@ def streamed_bytes(num_params: float, num_layers: int, resident_params: float = 
         With the "nvme" home, the pinned bounce buffers fetches read into: one per block of the window (prefetch + 1,
         at the default budget).
     nvme: the optimizer's files (when `nvme`) and, with the "nvme" home, the blocks in the model's dtype.
+    With `grads_on="nvme"` (and `nvme`) the gradients' per-parameter bytes move from host to drive, and the host
+    holds `grad_buffers` sets of a subgroup's fp32 gradient and staging instead (the working sets read it too).
 
     Not counted: alignment padding, the buffers of writes in flight, what `engine_bytes` adds for hybrid updates.
     """
@@ -316,12 +327,15 @@ def streamed_bytes(num_params: float, num_layers: int, resident_params: float = 
         raise ValueError(f"activations must be a number of bytes >= 0, got {activations!r}")
     model_b = _MODEL_BYTES[precision]
     block = (num_params - resident_params) / num_layers
-    optimizer = footprint(precision, "adam", "optimizer_nvme" if nvme else "optimizer_cpu")
+    spills = grads_on == "nvme"
+    optimizer = footprint(precision, "adam", "optimizer_nvme" if nvme else "optimizer_cpu", grads_on=grads_on)
     device = resident_params * model_b + (prefetch + 2) * block * model_b + activations  # window + grads
     host = num_params * optimizer.per_param("host")
     disk = num_params * optimizer.per_param("nvme")
     if nvme:
-        host += 3 * (4 + 4 * _STATE_COUNT["adam"]) * min(subgroup_numel, num_params)
+        subgroup = min(subgroup_numel, num_params)
+        host += 3 * (4 + 4 * _STATE_COUNT["adam"] + (4 if spills else 0)) * subgroup
+        host += grad_buffers * (4 + model_b) * subgroup if spills else 0
     home = (num_params - resident_params) * model_b
     if params_on == "nvme":
         disk += home

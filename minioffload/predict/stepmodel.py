@@ -44,6 +44,11 @@ uploaded: the CPU rounds the master into the host home (no pass for fp32: the ma
 rounded weights to NVMe. `Prediction.exposed_fetch_s` is the fetch time not hidden under compute. Not modelled:
 the runtime's prefetches of the next step's first blocks during the last backward, which its optimizer step drops.
 
+Gradients on NVMe (`placement.grads_on="nvme"`, chapter 12): each subgroup, once its last gradient copy has landed
+(in backward's order), is summed on the host and its fp32 gradient written to the drive (4 B/param on the write
+lane); the update waits for every write, and each subgroup's read brings its gradient with its state (16 B/param).
+One micro-batch: the planner adds each extra micro-batch's read and write of the partial sums.
+
 Ranks (`StepConfig.placement.ranks`): each rank's micro-batch computes alike (one "compute" lane stands for all);
 after each subgroup's backward its gradient is reduced to its owner (shards.shard_owners) on the "net" lane, one
 communicator whose collectives run in issue order, each taking collective_latency + shards.ring_bytes / interconnect;
@@ -259,6 +264,9 @@ class _Builder:
                 entry = plan.mark([entry, self.job[rank]])
                 uploads[rank].append(self.copy("h2d", sum(groups[i][0] for i in mine) * work.model_bytes,
                                                len(mine), "h2d weights", [entry], "h2d", rank))  # one per subgroup
+            if config.placement.grads_on == "nvme":  # each subgroup summed and written out as backward goes on
+                ready[rank] = plan.mark([entry, *self.grads_to_drive(mine, entry)])
+                continue
             ready[rank] = self.host("accumulate grads", ACCUMULATE_BYTES + work.model_bytes,
                                     sum(groups[i][0] for i in mine), [entry], rank=rank)
         if config.options.clips:
@@ -340,8 +348,22 @@ class _Builder:
                 uploads.append(self.copy("h2d", params * mb, 1, "h2d weights", [last_cpu], "h2d", rank))
         return last_cpu
 
+    def grads_to_drive(self, mine: list[int], entry: int) -> list[int]:
+        """Gradients on NVMe (engine/grad_spill.py): each subgroup, once its gradients have arrived (in backward's
+        order), is summed on the host and its fp32 gradient written to the drive; the update reads it back."""
+        writes, last = [], None
+        for i in sorted(mine, reverse=True):
+            params = self.groups[i][0]
+            last = self.host("accumulate grads", ACCUMULATE_BYTES + self.work.model_bytes, params,
+                             [self.arrived.get(i, entry), last])
+            writes.append(self.plan.add("nvme_write", "nvme write grad", self.hw.nvme_write_overhead
+                                        + 4 * params / self.hw.nvme_write, [last], 4 * params, stream="nvme_write",
+                                        host_bytes=4 * params))
+        return writes
+
     def nvme_read(self, params: int, deps, rank: int = 0) -> int:
-        state = params * STATE_BYTES_PER_PARAM
+        # the state, and with gradients on NVMe the gradient too
+        state = params * (STATE_BYTES_PER_PARAM + (4 if self.config.placement.grads_on == "nvme" else 0))
         seconds = self.hw.nvme_read_overhead + state / self.hw.nvme_read
         return self.plan.add(_on("nvme_read", rank), "nvme read", seconds, deps, state, stream=_on("nvme_read", rank),
                              host_bytes=state)

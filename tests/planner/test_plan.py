@@ -155,8 +155,8 @@ def test_unified_memory_moves_the_optimum():
 
 
 def test_a_model_that_fits_nowhere_is_named_with_the_bytes_missing():
-    with pytest.raises(plan.NoPlanError, match=r"GiB more host memory") as info:
-        plan.search(ModelSpec.of_params(70e9), profiles.preset("rtx4090"), plan.Limits(batch=8))
+    with pytest.raises(plan.NoPlanError, match=r"TiB more host memory") as info:  # no drive: all on the host
+        plan.search(ModelSpec.of_params(70e9), profiles.preset("rtx4090"), plan.Limits(batch=8, nvme_bytes=0))
     assert info.value.short["host"] > 100 * GB
     with pytest.raises(plan.NoPlanError, match="more device memory"):
         plan.search(ModelSpec.of_preset("small"), profiles.preset("laptop"),
@@ -376,3 +376,25 @@ def test_step_seconds_repredicts_a_plan_with_its_choices_kept():
     # a faster compute shortens the same plan's step (its policies kept, whatever a new search would choose)
     faster = hw.replace(peak_flops_fp32=2 * hw.peak_flops_fp32)
     assert all(plan.step_seconds(p, faster, limits) < p.step_s for p in picked)
+
+
+def test_175b_on_one_rtx4090_fits_only_with_its_gradients_on_nvme():
+    """Fuyou's setup: 175B on one RTX 4090 with 256 GB of host memory and 8 TB of NVMe. The gradients alone would
+    take 1 TB of host memory (6 B/param); on the drive with the state, a few pinned sets of them do."""
+    limits = plan.Limits(batch=8, host_bytes=256 * GB, nvme_bytes=8000 * GB)
+    plans = plan.search(ModelSpec.of_params(175e9), profiles.preset("rtx4090"), limits)
+    assert plans and all(p.grads_on == "nvme" and p.optimizer_on == p.params_on == "nvme" for p in plans)
+    best = plans[0]
+    assert best.memory["host"] <= 256 * GB and best.memory["nvme"] > 16 * 175e9  # state and gradients on the drive
+    assert best.step_config().placement.grads_on == "nvme"  # predicted as planned
+    with pytest.raises(plan.NoPlanError, match="unless they are on NVMe with it"):  # and without the drive, nothing
+        plan.search(ModelSpec.of_params(175e9), profiles.preset("rtx4090"), dataclasses.replace(limits, nvme_bytes=0))
+
+
+def test_70b_on_an_h100_fits_a_512_gb_host_either_way():
+    limits = plan.Limits(batch=8, host_bytes=512 * GB)
+    plans = plan.search(ModelSpec.of_params(70e9), profiles.preset("h100-sxm"), limits)
+    assert {p.grads_on for p in plans} == {"host", "nvme"} and all(p.memory["host"] <= 512 * GB for p in plans)
+    on_drive = min((p for p in plans if p.grads_on == "nvme"), key=lambda p: p.memory["host"])
+    on_host = min((p for p in plans if p.grads_on == "host"), key=lambda p: p.memory["host"])
+    assert on_host.memory["host"] - on_drive.memory["host"] > 5 * 70e9  # the gradients' 6 B/param left the host

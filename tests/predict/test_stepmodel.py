@@ -197,6 +197,17 @@ def streamed(hw, **config):
     return stepmodel.predict(STREAMED, hw, StepConfig(mfu=1.0, **config))
 
 
+def test_gradients_on_nvme_add_their_write_and_read_to_the_drive():
+    """Each subgroup's fp32 gradient goes to the drive after backward (4 B/param) and comes back with its state
+    (16 B/param read); the state alone is written back (12 B/param). A slow drive: the step grows by those bytes."""
+    hw = machine(nvme_read=1e8, nvme_write=1e8, link_h2d=1e10, link_d2h=1e10)
+    host, nvme = step(hw, optimizer_on="nvme"), step(hw, optimizer_on="nvme", grads_on="nvme")
+    assert lane_bytes(nvme, "nvme_read") == 16 * N and lane_bytes(host, "nvme_read") == 12 * N
+    assert lane_bytes(nvme, "nvme_write", "nvme write grad") == 4 * N
+    assert lane_bytes(nvme, "nvme_write") - lane_bytes(host, "nvme_write") == 4 * N  # the state's writes alike
+    assert nvme.bound == "nvme" and nvme.step_s == pytest.approx(host.step_s + 8 * N / 1e8, rel=0.05)
+
+
 def lane_bytes(pred, lane, prefix=""):
     return sum(s.nbytes for s in pred.trace.spans if s.lane == lane and s.name.startswith(prefix))
 

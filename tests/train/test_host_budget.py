@@ -41,8 +41,10 @@ def test_the_count_is_what_the_run_pins_at_its_peak(unbounded):
     dict(optimizer=OffloadOptions(subgroup_numel=1 << 14, delay_updates_after=0)),
     dict(optimizer=OffloadOptions(subgroup_numel=1 << 14, gpu_fraction=0.5)),
     dict(optimizer=OffloadOptions(speculative=True)), dict(nvme_dir="nvme"), dict(params_on="host"),
-    dict(params_on="host", precision="bf16", prefetch=0)],
-    ids=["bf16", "accumulated", "delayed", "hybrid", "speculative", "nvme", "streamed", "streamed-bf16"])
+    dict(params_on="host", precision="bf16", prefetch=0),
+    dict(nvme_dir="nvme", grads_on="nvme", grad_accum=2, precision="bf16",
+         optimizer=OffloadOptions(subgroup_numel=1 << 14, grad_buffers=2))],
+    ids=["bf16", "accumulated", "delayed", "hybrid", "speculative", "nvme", "streamed", "streamed-bf16", "grads-nvme"])
 def test_the_count_is_exact_for_every_configuration_it_takes(fields, tmp_path):
     if "nvme_dir" in fields:
         fields = {**fields, "nvme_dir": str(tmp_path / "nvme")}

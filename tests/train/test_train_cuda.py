@@ -50,6 +50,8 @@ FEATURES = {
     "activations offload, recompute": ({"activations": "offload,recompute"}, True),
     "activations selective, offload_input": ({"activations": "selective,offload_input"}, True),
     "bf16": ({"precision": "bf16"}, False),
+    "gradients on NVMe": ({"nvme_dir": "{tmp}/state", "grads_on": "nvme",
+                           "optimizer": options(subgroup_numel=8192, grad_buffers=2)}, False),
 }
 _sim_runs: dict[str, list[float]] = {}
 

@@ -35,6 +35,8 @@ CASES = [
     (R._speculative_resident, {"params_on": "host"}, {"speculative": True}),
     (R._speculative_on_host, {"optimizer_on": "nvme"}, {"speculative": True}),
     (R._ranks_resident, {"ranks": 2, "params_on": "host"}, {}),
+    (R._grads_on_nvme_tier, {"grads_on": "nvme"}, {}),
+    (R._grads_on_nvme_synchronous, {"optimizer_on": "nvme", "grads_on": "nvme"}, {"bucket_numel": 64}),
 ]
 IDS = [rule.__name__ for rule, _, _ in CASES]
 OPTIONS_ALONE = {R._one_split, R._delay_offloads_all, R._delay_or_hybrid, R._speculative_alone}
@@ -94,7 +96,7 @@ def test_each_rule_is_refused_with_its_one_message_by_step_config_train_config_a
     else:
         StepConfig(p, o)
     train = {"offload": p.offloaded, "params_on": p.params_on, "prefetch": p.prefetch, "shard": p.ranks > 1,
-             "nvme_dir": "somewhere" if p.optimizer_on == "nvme" else None}
+             "nvme_dir": "somewhere" if p.optimizer_on == "nvme" else None, "grads_on": p.grads_on}
     if RUN in scopes:
         with pytest.raises(ValueError) as err:
             TrainConfig(optimizer=o, **train)
@@ -105,7 +107,8 @@ def test_each_rule_is_refused_with_its_one_message_by_step_config_train_config_a
         spec = shapes.ModelSpec.of_preset("tiny")
         with pytest.raises(ValueError) as err:
             Plan(spec, "laptop", "fp32", 1, 1, p.optimizer_on, p.params_on, ("keep",) * spec.n_layer, p.prefetch,
-                 delay="delay_updates_after" in fields, gpu_fraction=fields.get("gpu_fraction"), ranks=p.ranks)
+                 delay="delay_updates_after" in fields, gpu_fraction=fields.get("gpu_fraction"), ranks=p.ranks,
+                 grads_on=p.grads_on)
         assert str(err.value) == f"Plan: {message}"
 
 

@@ -55,6 +55,7 @@ from .streamed_state import state_dict_hooks
 __all__ = ["HOMES", "ParamStreamer", "find_blocks", "plan"]
 
 HOMES = ("host", "nvme")
+WRITE_BUFFERS = 2  # nvme: pinned buffers new weights are written home from (one filling while one is written)
 
 
 class _Mark(torch.autograd.Function):
@@ -101,10 +102,11 @@ class ParamStreamer:
         self._where = {id(p): (block, i) for block in self.blocks for i, p in enumerate(block.params)}
         self._bounces: list[torch.Tensor] = []  # nvme: free pinned buffers a read lands in before its copy up
         self._landing: deque = deque()  # nvme: (event after the copy up, its bounce buffer), oldest first
-        self._writing: dict[int, torch.Tensor] = {}  # nvme: block index -> its new weights, being assembled
+        self._writing: dict[int, tuple] = {}  # nvme: block index -> (its buffer, its new weights), being assembled
         self._written: dict[int, set[int]] = {}  # nvme: block index -> which of its parameters are in
-        self._writes: list = []  # nvme: (future, buffer) of blocks being written home
-        self._write_buffers: dict[int, torch.Tensor] = {}  # nvme: block index -> the buffer its new weights go in
+        self._writes: list = []  # nvme: (future, buffer) of blocks being written home, oldest first
+        self._spare_writes: list[torch.Tensor] = []  # nvme: pinned buffers no write reads, for the next block's
+        self._write_buffers = 0  # nvme: how many were made
         for block in self.blocks:
             self._make_home(block)
         if self.swapper is not None:
@@ -404,28 +406,31 @@ class ParamStreamer:
                 home.copy_(value.view(home.shape))
             return
         if block.index not in self._writing:
-            self._writing[block.index] = self._write_buffer(block)
+            raw = self._write_buffer()
+            self._writing[block.index] = (raw, raw[:block.nbytes].view(block.dtype))
             self._written[block.index] = set()
         start = block.offsets[i]
-        self._writing[block.index][start:start + param.numel()].copy_(value.reshape(-1))
+        self._writing[block.index][1][start:start + param.numel()].copy_(value.reshape(-1))
         self._written[block.index].add(i)
         if len(self._written[block.index]) == len(block.params):
             self._write_home(block)
 
-    def _write_buffer(self, block: _Block) -> torch.Tensor:
-        """The block's host buffer for its new weights, made once and reused by every update (pinned memory is slow to
-        make), once the write that last read it is done."""
-        buffer = self._write_buffers.get(block.index)
-        if buffer is None:
-            buffer = self._write_buffers[block.index] = self.dev.host_empty(block.numel, block.dtype)
-        for future, written in self._writes:
-            if written is buffer:
-                future.result()
-        return buffer
+    def _write_buffer(self) -> torch.Tensor:
+        """A pinned buffer (bytes, the largest block's) for a block's new weights: a spare one, else the one the oldest
+        write home has finished with (waited for). A new one only while every buffer is being filled, so the update
+        holds WRITE_BUFFERS however many blocks there are (pinned memory is slow to make: they are kept and reused)."""
+        if not self._spare_writes and self._write_buffers >= WRITE_BUFFERS and self._writes:
+            future, buffer = self._writes.pop(0)
+            future.result()
+            self._spare_writes.append(buffer)
+        if self._spare_writes:
+            return self._spare_writes.pop()
+        self._write_buffers += 1
+        return self.dev.host_empty(max(block.nbytes for block in self.blocks), torch.uint8)
 
     def _write_home(self, block: _Block) -> None:
         """nvme: write the block's new weights; parameters the update did not touch keep what is on the disk."""
-        buffer, done = self._writing.pop(block.index), self._written.pop(block.index)
+        (raw, buffer), done = self._writing.pop(block.index), self._written.pop(block.index)
         if len(done) < len(block.params):
             old = self.dev.host_empty(block.numel, block.dtype)
             self.swapper.read(self._key(block), into=old).result()
@@ -433,16 +438,23 @@ class ParamStreamer:
                 if i not in done:
                     buffer[block.offsets[i]:block.offsets[i] + p.numel()].copy_(
                         old[block.offsets[i]:block.offsets[i] + p.numel()])
-        self._writes = [(f, b) for f, b in self._writes if not f.done()]
-        self._writes.append((self.swapper.write(self._key(block), buffer), buffer))
+        in_flight = []
+        for future, spare in self._writes:  # those done give their buffers back (a failed one is raised here)
+            if future.done():
+                future.result()
+                self._spare_writes.append(spare)
+            else:
+                in_flight.append((future, spare))
+        self._writes = [*in_flight, (self.swapper.write(self._key(block), buffer), raw)]
 
     def updated(self) -> None:
         """The update is over: the last writes home go (and are checked), and the next pass's first blocks are
         prefetched."""
         for index in list(self._writing):
             self._write_home(self.blocks[index])
-        for future, _ in self._writes:
+        for future, buffer in self._writes:
             future.result()
+            self._spare_writes.append(buffer)
         self._writes.clear()
         if self.order is not None and self._pos == len(self.order):
             self._pos = 0  # the next pass begins: its first blocks can come now

@@ -400,7 +400,9 @@ class Swapper:
             guarded()
         else:
             before.add_done_callback(lambda _: guarded())
-        result.add_done_callback(lambda _: self._done(key, result))
+        # the callback is handed the future: capturing `result` would make a cycle (the future -> its callback -> the
+        # future) that keeps a read's buffer, the future's result, alive until the garbage collector runs
+        result.add_done_callback(lambda done: self._done(key, done))
 
     def _done(self, key: str, result: Future) -> None:
         with self._lock:

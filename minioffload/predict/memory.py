@@ -305,7 +305,7 @@ def streamed_bytes(num_params: float, num_layers: int, resident_params: float = 
         the NVMe tier's three working sets of `subgroup_numel` (when `nvme`), and with the "host" home one copy of
         the blocks in the model's dtype (none when the master already is in that dtype: fp32).
         With the "nvme" home, the pinned bounce buffers fetches read into: one per block of the window (prefetch + 1,
-        at the default budget).
+        at the default budget), and two buffers new weights are written home from.
     nvme: the optimizer's files (when `nvme`) and, with the "nvme" home, the blocks in the model's dtype.
     With `grads_on="nvme"` (and `nvme`) the gradients' per-parameter bytes move from host to drive, and the host
     holds `grad_buffers` sets of a subgroup's fp32 gradient and staging instead (the working sets read it too).
@@ -339,7 +339,8 @@ def streamed_bytes(num_params: float, num_layers: int, resident_params: float = 
     home = (num_params - resident_params) * model_b
     if params_on == "nvme":
         disk += home
-        host += min(prefetch + 1, num_layers) * block * model_b  # model/streaming.py's bounce buffers
+        # model/streaming.py's bounce buffers, and the two its update writes new weights home from
+        host += (min(prefetch + 1, num_layers) + 2) * block * model_b
     elif model_b != _MASTER_BYTES[precision]:
         host += home
     return {"device": round(device), "host": round(host), "nvme": round(disk)}

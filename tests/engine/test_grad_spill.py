@@ -134,3 +134,33 @@ def test_what_gradients_on_nvme_cannot_run_is_refused_by_name(tmp_path, options,
                    and p is not model.side.bias)
     if swapper:
         swapper.close()
+
+
+def test_with_everything_on_nvme_the_pinned_peak_does_not_grow_with_depth(tmp_path):
+    """Weights streamed from the drive, the state and the gradients there: what a step pins (working sets, gradient
+    sets, the streamer's bounce and write buffers) is a few subgroups' and blocks' worth, the same for 8 blocks as
+    for 3."""
+    from minioffload.model.gpt import GPT, GPTConfig
+    from minioffload.model.streaming import ParamStreamer
+    from minioffload.pinned import HostBudget
+
+    def peak(layers):
+        torch.manual_seed(0)
+        net = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=layers, n_head=2, n_embd=32)).to(torch.bfloat16)
+        (tmp_path / str(layers)).mkdir()
+        swapper = Swapper(tmp_path / str(layers), block_size=8192, workers=2)
+        with device("sim") as dev, HostBudget(None) as pinned:
+            streamer = ParamStreamer(net, dev, prefetch=1, home="nvme", swapper=swapper)
+            opt = OffloadAdam(net.parameters(), dev, subgroup_numel=2048, max_grad_norm=1.0, swapper=swapper,
+                              streamer=streamer, grads_on="nvme", grad_buffers=2, **HYPER)
+            for step in range(2):
+                for micro in range(2):
+                    idx, targets = batch(10 * step + micro, n=2, seq=8)
+                    net(dev.to_device(idx), dev.to_device(targets))[1].backward()
+                opt.step()
+                opt.zero_grad()
+            opt.close()
+        swapper.close()
+        return pinned.peak
+
+    assert peak(8) == peak(3) > 0

@@ -209,3 +209,24 @@ def test_a_files_checksum_read_in_chunks_is_its_bytes_checksum(tmp_path):
     assert file_checksum(tmp_path / "f", chunk=1000) == file_checksum(tmp_path / "f") == checksum(values)
     (tmp_path / "g").write_bytes(values.numpy().tobytes()[:-1] + b"\x01")
     assert file_checksum(tmp_path / "g", chunk=1000) != checksum(values)
+
+
+def test_a_read_buffer_dies_with_its_last_reference_not_at_the_next_collection(tmp_path):
+    """A future holds its read's buffer as its result; nothing else may keep the future alive (a cycle through its own
+    done-callback did): pinned buffers read into are freed as soon as the caller drops them."""
+    import gc
+    import weakref
+
+    swapper = Swapper(tmp_path, max_bandwidth=1e6)  # 4 ms a read: still running when its callbacks are added
+    swapper.write("key", filled(1024)).result()
+    gc.disable()
+    try:
+        into = buffer(1024)
+        future = swapper.read("key", into=into)
+        future.result()
+        alive = weakref.ref(into)
+        del into, future
+        assert alive() is None
+    finally:
+        gc.enable()
+        swapper.close()

@@ -135,14 +135,20 @@ def test_streamed_host_and_nvme_bytes_add_the_home_to_the_offloaded_optimizer():
     host = memory.streamed_bytes(NUM, LAYERS, RESIDENT, "host")
     assert host["host"] == NUM * 18 + (NUM - RESIDENT) * 2 and host["nvme"] == 0  # 18 B/param + the bf16 home
     on_nvme = memory.streamed_bytes(NUM, LAYERS, RESIDENT, "nvme")
-    # the home on NVMe; the host keeps the bounce buffers fetches read into, one per block of the window
-    assert on_nvme["host"] == NUM * 18 + 2 * 10_000_000 * 2 and on_nvme["nvme"] == (NUM - RESIDENT) * 2
+    # the home on NVMe; the host keeps the bounce buffers fetches read into, one per block of the window, and the
+    # two that new weights are written home from
+    assert on_nvme["host"] == NUM * 18 + (2 + 2) * 10_000_000 * 2 and on_nvme["nvme"] == (NUM - RESIDENT) * 2
     # fp32: the master is the home, nothing more on the host
     assert memory.streamed_bytes(NUM, LAYERS, RESIDENT, "host", precision="fp32")["host"] == NUM * 20
     # the optimizer on NVMe too: the host keeps the gradients and the tier's three working sets
     both = memory.streamed_bytes(NUM, LAYERS, RESIDENT, "nvme", nvme=True, subgroup_numel=1 << 20)
-    assert both["host"] == NUM * 6 + 3 * 12 * (1 << 20) + 2 * 10_000_000 * 2
+    assert both["host"] == NUM * 6 + 3 * 12 * (1 << 20) + (2 + 2) * 10_000_000 * 2
     assert both["nvme"] == NUM * 24 + (NUM - RESIDENT) * 2
+    # the gradients there too: no gradient per parameter on the host, three sets of one subgroup's (fp32 and bf16),
+    # and the working sets read the gradient with the state
+    spilled = memory.streamed_bytes(NUM, LAYERS, RESIDENT, "nvme", nvme=True, subgroup_numel=1 << 20, grads_on="nvme")
+    assert spilled["host"] == 3 * 16 * (1 << 20) + 3 * 6 * (1 << 20) + (2 + 2) * 10_000_000 * 2
+    assert spilled["nvme"] == NUM * (24 + 8) + (NUM - RESIDENT) * 2
 
 
 def test_streamed_device_bytes_agree_with_the_runtimes_plan():

@@ -196,7 +196,7 @@ class OffloadAdam(torch.optim.Optimizer):
         if slot.subgroup.where != Where.CPU:  # updated on the device: the gradient stays there
             return self.device_path.take_grad(slot)
         if self.spill is not None:  # gradients on NVMe: the subgroup gets a pinned set to gather them in
-            self.spill.hold(slot.subgroup)
+            self.spill.hold(slot)
         self.grads.offload(slot)  # down the link into pinned staging (or into its bucket)
         if self.speculative is not None:  # the subgroup's update may start now, during backward
             self.speculative.arrived(slot.subgroup, slot)

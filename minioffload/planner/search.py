@@ -6,7 +6,9 @@ model's tokens per second.
     why_slower(plans[0], plans[3])                           # what a runner-up loses on
     train(plans[0].train_config())                           # a course GPT's plan runs as it was planned
 
-The search enumerates where the optimizer lives (device: torch's AdamW; host: OffloadAdam; nvme: its NVMe tier),
+The search enumerates where the optimizer lives (device: torch's AdamW; host: OffloadAdam; nvme: its NVMe tier, with
+the gradients in host memory or on the drive too, tried only where the same plan with them in host memory does not
+fit),
 where the blocks' weights live (resident, or streamed from host, or from NVMe with the optimizer there too, as train
 runs it), the prefetch depth, the delayed update,
 the subgroup size and the micro-batch. For each, plan_milp solves exactly how many blocks take each activation
@@ -366,9 +368,13 @@ def search(model: ModelSpec, hw: Hardware, limits: Limits | None = None,
     configs = _configs(model, limits, capacity)
     plans, short, closest = [], {tier: math.inf for tier in HOMES}, None
     fitted: set[tuple] = set()  # (the configuration but its micro-batch): micro-batches are tried largest first
+    host_fits: set[_Config] = set()  # configurations with the gradients in host memory that fit
     for done, c in enumerate(configs, 1):
         key = dataclasses.replace(c, micro_batch=0)
-        if key not in fitted or len([p for p in plans if _key(p) == key]) < 2:
+        # gradients on the drive only where host memory needs it: the same plan with them in host memory moves
+        # less and fits, so it is at least as fast (but for activations that more host memory could have offloaded)
+        needed = c.grads_on == "host" or dataclasses.replace(c, grads_on="host") not in host_fits
+        if needed and (key not in fitted or len([p for p in plans if _key(p) == key]) < 2):
             plan, lacks = _evaluate(model, hw, c, limits, capacity, hw.name)
             if plan is None:
                 if relative(lacks, capacity) < relative(short, capacity):
@@ -376,6 +382,8 @@ def search(model: ModelSpec, hw: Hardware, limits: Limits | None = None,
             else:
                 fitted.add(key)
                 plans.append(plan)
+                if c.grads_on == "host":
+                    host_fits.add(c)
         if progress is not None:
             progress(done, len(configs))
     if not plans:

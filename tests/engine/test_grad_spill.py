@@ -47,6 +47,7 @@ def test_gradients_on_nvme_train_bit_for_bit_like_gradients_in_host_memory(tmp_p
 @pytest.mark.parametrize("options", [{"loss_scale": 256.0}, {"loss_scale": "dynamic", "growth_interval": 2},
                                      {"max_grad_norm": None}])
 def test_loss_scaling_and_no_clipping_match_too(tmp_path, options):
+    options = dict(options)  # the parameter's own dict is shared between runs
     clip = options.pop("max_grad_norm", 0.5)
     host = run(tmp_path, clip=clip, steps=4, **options)
     spilled = run(tmp_path, "nvme", clip=clip, steps=4, grad_buffers=2, **options)

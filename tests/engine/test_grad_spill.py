@@ -28,6 +28,22 @@ def run(tmp_path, grads_on="host", steps=3, micro_batches=2, clip=0.5, dtype=tor
     return losses, masters, [p.detach().clone() for p in model.parameters()], opt, held
 
 
+def with_optimizer(tmp_path, grads_on, body, **options):
+    """The seeded Toy on the sim with an OffloadAdam over a fresh drive (small subgroups, two gradient sets): what
+    `body(model, opt)` returns, and the masters after it."""
+    torch.manual_seed(0)
+    model = Toy()
+    (tmp_path / grads_on).mkdir()
+    swapper = Swapper(tmp_path / grads_on, block_size=8192, workers=2)
+    with device("sim") as dev:
+        opt = OffloadAdam(on_sim(model, dev).parameters(), dev, subgroup_numel=300, max_grad_norm=0.5,
+                          swapper=swapper, grads_on=grads_on, grad_buffers=2, **options, **HYPER)
+        result = body(model, opt)
+        masters = [m.clone() for m in opt.master_weights()]
+    swapper.close()
+    return result, masters
+
+
 def same(a, b) -> bool:
     return a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1] + a[2], b[1] + b[2], strict=True))
 
@@ -58,25 +74,17 @@ def test_loss_scaling_and_no_clipping_match_too(tmp_path, options):
 def test_overflowing_steps_are_skipped_and_their_gradients_dropped(tmp_path):
     """A loss scale of 1e40 overflows fp32 gradients: those steps are skipped (halving the scale each time) until it
     is small enough, and a step's gradients never add to a skipped step's (the drive's partial sums are forgotten)."""
-    def scaled_run(grads_on):
-        torch.manual_seed(0)
-        model = Toy()
-        (tmp_path / grads_on).mkdir()
-        swapper = Swapper(tmp_path / grads_on, block_size=8192, workers=2)
-        with device("sim") as dev:
-            opt = OffloadAdam(on_sim(model, dev).parameters(), dev, subgroup_numel=300, max_grad_norm=0.5,
-                              swapper=swapper, grads_on=grads_on, grad_buffers=2, loss_scale="dynamic", **HYPER)
-            opt.loss_scale.scale = 1e40  # past fp32's largest: inf gradients until halved
-            for step in range(8):
-                for micro in range(2):
-                    opt.scale_loss(loss_of(model, *batch(100 * step + micro)) / 2).backward()
-                opt.step()
-                opt.zero_grad()
-            masters = [m.clone() for m in opt.master_weights()]
-        swapper.close()
-        return opt.skipped_steps, masters
+    def scaled_steps(model, opt):
+        opt.loss_scale.scale = 1e40  # past fp32's largest: inf gradients until halved
+        for step in range(8):
+            for micro in range(2):
+                opt.scale_loss(loss_of(model, *batch(100 * step + micro)) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        return opt.skipped_steps
 
-    (host_skipped, host), (skipped, spilled) = scaled_run("host"), scaled_run("nvme")
+    (host_skipped, host), (skipped, spilled) = [with_optimizer(tmp_path, where, scaled_steps, loss_scale="dynamic")
+                                                 for where in ("host", "nvme")]
     assert 0 < skipped == host_skipped < 8  # some skipped, then some updated
     assert all(torch.equal(a, b) for a, b in zip(host, spilled, strict=True))
 
@@ -95,24 +103,14 @@ def test_accumulation_reads_back_each_partial_sum_once_and_writes_each_sum_once(
 
 
 def test_zero_grad_without_a_step_drops_the_gradients_on_the_drive(tmp_path):
-    def drop_then_train(grads_on):
-        torch.manual_seed(0)
-        model = Toy()
-        (tmp_path / grads_on).mkdir()
-        swapper = Swapper(tmp_path / grads_on, block_size=8192, workers=2)
-        with device("sim") as dev:
-            opt = OffloadAdam(on_sim(model, dev).parameters(), dev, subgroup_numel=300, max_grad_norm=0.5,
-                              swapper=swapper, grads_on=grads_on, grad_buffers=2, **HYPER)
-            train(model, opt, 1, 2)
-            for seed in (7, 8):  # two backwards, then dropped
-                loss_of(model, *batch(seed)).backward()
-            opt.zero_grad()
-            losses = train(model, opt, 2, 2)
-            masters = [m.clone() for m in opt.master_weights()]
-        swapper.close()
-        return losses, masters
+    def drop_then_train(model, opt):
+        train(model, opt, 1, 2)
+        for seed in (7, 8):  # two backwards, then dropped
+            loss_of(model, *batch(seed)).backward()
+        opt.zero_grad()
+        return train(model, opt, 2, 2)
 
-    host, spilled = drop_then_train("host"), drop_then_train("nvme")
+    host, spilled = [with_optimizer(tmp_path, where, drop_then_train) for where in ("host", "nvme")]
     assert host[0] == spilled[0] and all(torch.equal(a, b) for a, b in zip(host[1], spilled[1], strict=True))
 
 

@@ -76,11 +76,14 @@ def model() -> GPT:
     return GPT(GPTConfig(**SHAPE)).to(torch.bfloat16)
 
 
-def train(net, dev, opt, data) -> tuple[list[float], list[float], float]:
-    """The steps: losses, each step's seconds, and the forward+backward seconds of the first (untimed) step."""
-    losses, seconds, compute = [], [], 0.0
+def train(net, dev, opt, data) -> tuple[list[float], list[float], float, float]:
+    """The steps: losses, each step's seconds, the forward+backward seconds of the first (untimed) step, and when
+    (on the trace's clock) the second step began."""
+    losses, seconds, compute, timed_from = [], [], 0.0, 0.0
     for step, micro_batches in enumerate(data):
         start, total = time.perf_counter(), 0.0
+        if step == 1:
+            timed_from = dev.trace.now()
         for x, y in micro_batches:
             x, y = dev.to_device(x), dev.to_device(y)
             _, loss = net(x, y)
@@ -93,7 +96,7 @@ def train(net, dev, opt, data) -> tuple[list[float], list[float], float]:
         dev.synchronize()
         losses.append(total)
         seconds.append(time.perf_counter() - start)
-    return losses, seconds, compute
+    return losses, seconds, compute, timed_from
 
 
 def in_memory(data) -> dict:
@@ -101,7 +104,7 @@ def in_memory(data) -> dict:
     with device("sim") as dev:
         dev.place(net)
         opt = OffloadAdam(net.parameters(), dev, lr=LR, subgroup_numel=SUBGROUP, max_grad_norm=1.0)
-        losses, seconds, compute = train(net, dev, opt, data)
+        losses, seconds, compute, _ = train(net, dev, opt, data)
         masters = [m.clone() for m in opt.master_weights()]
         opt.close()
     return {"losses": losses, "masters": masters, "compute_s": compute, "step_s": seconds[1:]}
@@ -117,15 +120,17 @@ def off_memory(data, drive: Path, budget: int, drive_bps: float) -> dict:
             Activations(net.blocks, "recompute", dev)
             opt = OffloadAdam(net.parameters(), dev, lr=LR, subgroup_numel=SUBGROUP, max_grad_norm=1.0,
                               swapper=swapper, streamer=streamer, grads_on="nvme", grad_buffers=3)
-            first = len(dev.trace.spans)
-            losses, seconds, _ = train(net, dev, opt, data)
+            losses, seconds, _, timed_from = train(net, dev, opt, data)
             opt.nvme.drain()
+            timed_until = dev.trace.now()
         masters = [m.clone() for m in opt.master_weights()]  # read back from the drive to compare: not the run's
-        moved = [s.nbytes for s in dev.trace.spans[first:] if s.lane in ("nvme_read", "nvme_write")]
+        # the timed steps' drive bytes (the first step fetches a little more; the masters' read-back is not the run's)
+        moved = [s.nbytes for s in dev.trace.spans
+                 if s.lane in ("nvme_read", "nvme_write") and timed_from <= s.start < timed_until]
         opt.close()
     swapper.close()
     return {"losses": losses, "masters": masters, "step_s": seconds[1:], "peak": pinned.peak,
-            "drive_bytes_per_step": sum(moved) / STEPS, "device_peak": dev.ledger.peak("device")}
+            "drive_bytes_per_step": sum(moved) / (STEPS - 1), "device_peak": dev.ledger.peak("device")}
 
 
 def predicted_step(compute_s: float, drive_bps: float) -> float:

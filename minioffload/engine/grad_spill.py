@@ -149,7 +149,8 @@ class GradientSpill:
         finally:
             numba.set_num_threads(threads)
         self.records[id(sub)] = record
-        self._writes[index] = [self.tier.swapper.write(self.tier.key(sub, "grad"), grad)]
+        # scratch: a crash loses the step anyway, so no fsync and no index commit of its own (Swapper.write)
+        self._writes[index] = [self.tier.swapper.write(self.tier.key(sub, "grad"), grad, durable=False)]
         self.bytes_written += grad.numel() * 4
         self.on_disk.add(id(sub))
         self.holder[index] = None

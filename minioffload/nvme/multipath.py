@@ -171,15 +171,16 @@ class MultiPathSwapper:
         return [self.path_of(f"subgroup{n}/") for n in range(subgroups)]
 
     # the Swapper's interface ----------------------------------------------------------------------------
-    def write(self, key: str, tensor: torch.Tensor) -> Future:
+    def write(self, key: str, tensor: torch.Tensor, durable: bool = True) -> Future:
         """Store `tensor` under `key` on its path (see Swapper.write); queued if that path is busy."""
         if not isinstance(key, str) or not key:
             raise ValueError(f"key must be a non-empty string, got {key!r}")
         path = self.path_of(key)
         with self._lock:
             self._writing[key] = self._writing.get(key, 0) + 1
+        scratch = {} if durable else {"durable": False}  # the keyword only where it is asked for
         try:
-            future = self._gates[path].submit(lambda: self.paths[path].write(key, tensor))
+            future = self._gates[path].submit(lambda: self.paths[path].write(key, tensor, **scratch))
         except BaseException:
             self._written(key)
             raise

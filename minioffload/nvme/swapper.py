@@ -105,10 +105,13 @@ class Swapper:
         self._link_free = 0.0  # throttled: when the modelled link finishes the operations already started
         self.direct = direct and self._direct_works()
         self._pool = ThreadPoolExecutor(workers, "swap-io")
-        # after the blocks: a write's fsync and index commit (in order), a read's checksum; apart, so that a read
-        # never waits behind a write's fsync
-        self._commits, self._checks = ThreadPoolExecutor(1, "swap-commit"), ThreadPoolExecutor(1, "swap-check")
+        # after the blocks: a write's checksum and fsync (sync), then its index entry, committed with every other entry
+        # ready by then (one commit thread); a read's checksum apart, so that a read never waits behind an fsync
+        self._syncs, self._commits = ThreadPoolExecutor(2, "swap-sync"), ThreadPoolExecutor(1, "swap-commit")
+        self._checks = ThreadPoolExecutor(1, "swap-check")
+        self._pending: list[tuple[str, dict, object]] = []  # published writes waiting for the next index commit
         self._lock = threading.Lock()
+        self._commit_lock = threading.Lock()  # one index commit at a time (they build on each other's index)
         self._key_busy: dict[str, Future] = {}  # the last operation queued on each key: the next one waits
         self._bounce = threading.local()
         self.index: dict[str, dict] = self._load_index()
@@ -172,9 +175,13 @@ class Swapper:
         return self.directory / f"{safe}.{slot}"
 
     # writes ----------------------------------------------------------------------------------
-    def write(self, key: str, tensor: torch.Tensor) -> Future:
+    def write(self, key: str, tensor: torch.Tensor, durable: bool = True) -> Future:
         """Store `tensor` under `key`; the future is done once the new version is durable and indexed. The
-        tensor must not change until then. A failure leaves the previous version of `key` in place."""
+        tensor must not change until then. A failure leaves the previous version of `key` in place.
+
+        `durable=False` (scratch that no crash need preserve: a step's gradients): the future is done once the
+        bytes are written and indexed in memory, with no fsync and no index commit of its own; a read gets them
+        back (checksummed) as usual, a later commit writes its entry with the others'."""
         if not isinstance(key, str) or not key:
             raise ValueError(f"key must be a non-empty string, got {key!r}")
         self._check_buffer(tensor, f"the tensor for {key!r}")
@@ -206,29 +213,39 @@ class Swapper:
             jobs = [self._pool.submit(self._write_range, fd, tensor, nbytes, lo, hi)
                     for lo, hi in self._ranges(nbytes)]
 
-            def commit() -> None:
+            def sync() -> None:  # on a sync thread: the blocks out, the data durable; then the index, with others
                 try:
-                    digest = checksum(tensor)  # while the blocks go out: the tensor does not change meanwhile
-                    wait(jobs)  # every range, even after one failed: none may touch the fd once it is closed
-                    for job in jobs:
-                        job.result()
-                    os.fsync(fd)
-                    entry = {"slot": slot, "nbytes": nbytes, "dtype": str(tensor.dtype),
-                             "shape": list(tensor.shape), "checksum": digest}
-                    self._commit(key, entry)
+                    try:
+                        digest = checksum(tensor)  # while the blocks go out: the tensor does not change meanwhile
+                        wait(jobs)  # every range, even after one failed: none may touch the fd once it is closed
+                        for job in jobs:
+                            job.result()
+                        if durable:
+                            os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                except BaseException as err:  # noqa: BLE001 - handed to the caller through the future
+                    finish(err)
+                    return
+                entry = {"slot": slot, "nbytes": nbytes, "dtype": str(tensor.dtype), "shape": list(tensor.shape),
+                         "checksum": digest}
+                if durable:
+                    self._publish(key, entry, finish)
+                    return
+                with self._lock:
+                    self.index = {**self.index, key: entry}
+                finish(None)
+
+            def finish(err: BaseException | None) -> None:  # the index points at the new version, or it failed
+                if err is None:
                     self._hold_until(done_at)
                     self._span("nvme_write", key, started, nbytes)
                     result.set_result(None)
-                except OSError as err:
-                    result.set_exception(self._error("write", path, key, err))
-                except BaseException as err:  # noqa: BLE001 - handed to the caller through the future
-                    result.set_exception(err)
-                finally:
-                    os.close(fd)
-                    if result.done() and result.exception() is not None:
-                        self._release(key, slot)
+                    return
+                result.set_exception(self._error("write", path, key, err) if isinstance(err, OSError) else err)
+                self._release(key, slot)
 
-            self._commits.submit(commit)
+            self._syncs.submit(sync)
 
         self._after(before, start, result, key)
         return result
@@ -257,11 +274,35 @@ class Swapper:
             if written != len(chunk):
                 raise OSError(errno.EIO, f"short write: {written} of {len(chunk)} bytes at offset {offset}")
 
-    def _commit(self, key: str, entry: dict) -> None:
-        """Point the index at the new version: write, fsync, rename over the old index (the commit), fsync the
-        directory. A failure before the rename removes the temporary file and changes nothing."""
+    def _publish(self, key: str, entry: dict, finish) -> None:
+        """A write's data is durable: its entry joins the next index commit, and `finish(error or None)` runs then."""
         with self._lock:
-            index = {**self.index, key: entry}
+            self._pending.append((key, entry, finish))
+        self._commits.submit(self._flush)
+
+    def _flush(self) -> None:
+        """On the commit thread: every entry published since the last flush, committed in one index write (a group
+        commit: the index is rewritten once for all of them, not once per write)."""
+        with self._lock:
+            batch, self._pending = self._pending, []
+        if not batch:
+            return
+        try:
+            self._commit({key: entry for key, entry, _ in batch})
+        except BaseException as err:  # noqa: BLE001 - each write's future gets it
+            for _, _, finish in batch:
+                finish(err)
+            return
+        for _, _, finish in batch:
+            finish(None)
+
+    def _commit(self, entries: dict[str, dict]) -> None:
+        """Point the index at the new versions: write, fsync, rename over the old index (the commit), fsync the
+        directory. A failure before the rename removes the temporary file and changes nothing. The file work holds
+        only the commit lock: every read and write takes `_lock` to start, and must not wait behind an fsync."""
+        with self._commit_lock:
+            with self._lock:
+                index = {**self.index, **entries}
             temporary = self.directory / f".{INDEX}.tmp"
             try:
                 with open(temporary, "w") as f:
@@ -272,7 +313,8 @@ class Swapper:
             except BaseException:
                 temporary.unlink(missing_ok=True)  # a full disk gets its blocks back
                 raise
-            self.index = index
+            with self._lock:  # merged: entries indexed in memory meanwhile (durable=False) stay
+                self.index = {**self.index, **entries}
             fsync_path(self.directory)  # the directory entry of the rename
 
     def _release(self, key: str, slot: int) -> None:
@@ -442,6 +484,7 @@ class Swapper:
 
     def close(self) -> None:
         """Wait for every queued operation, then stop the workers."""
+        self._syncs.shutdown(wait=True)
         self._commits.shutdown(wait=True)
         self._checks.shutdown(wait=True)
         self._pool.shutdown(wait=True)

@@ -354,7 +354,7 @@ def _link_or_copy(source: Swapper, source_key: str, target: Swapper, key: str) -
     except OSError:  # another file system, or links refused: copy the bytes
         shutil.copyfile(file, linked)
         fsync_path(linked)
-    target._commit(key, entry)
+    target._commit({key: entry})
 
 
 def complete(directory: Path) -> list[Path]:

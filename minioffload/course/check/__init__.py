@@ -50,6 +50,8 @@ from . import (  # noqa: F401
     lab11_diagnose,
     lab11_latest,
     lab11_paths,
+    lab12,
+    lab12_diagnose,
 )
 from .grading import (
     GRADERS,

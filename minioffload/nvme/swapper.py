@@ -13,7 +13,10 @@ buffer.
 
 Why it does not lose state: every key has two slot files. A new version goes into the slot the index does
 not point to, is fsync'ed, and only then does the index (index.json: write a temporary file, fsync, rename,
-fsync the directory) point to it. A crash at any moment leaves the previous version readable. Each stored
+fsync the directory) point to it. A crash at any moment leaves the previous version readable. The index is
+committed once for every write whose data is durable by then (a group commit), not once per write: with many small
+writes in flight its rewrite would otherwise serialise them. Scratch that no crash need preserve (a step's
+gradients) is written with `durable=False`: no fsync, indexed in memory only. Each stored
 tensor carries an xxHash (XXH3-64) of its bytes, checked on every read unless `verify=False`: it runs at
 many GB/s on one core, so it costs little next to the disk, where a CRC32 from zlib (~1 GB/s) would be
 the bottleneck; a cryptographic hash would buy nothing against disk corruption.

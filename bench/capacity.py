@@ -76,14 +76,16 @@ def model() -> GPT:
     return GPT(GPTConfig(**SHAPE)).to(torch.bfloat16)
 
 
-def train(net, dev, opt, data) -> tuple[list[float], list[float], float, float]:
+def train(net, dev, opt, data, drain=None) -> tuple[list[float], list[float], float, float]:
     """The steps: losses, each step's seconds, the forward+backward seconds of the first (untimed) step, and when
-    (on the trace's clock) the second step began."""
+    (on the trace's clock) the second step began; `drain()`, if given, runs before it (untimed)."""
     losses, seconds, compute, timed_from = [], [], 0.0, 0.0
     for step, micro_batches in enumerate(data):
-        start, total = time.perf_counter(), 0.0
         if step == 1:
+            if drain is not None:
+                drain()  # the first step's requests done: what starts from here is the timed steps'
             timed_from = dev.trace.now()
+        start, total = time.perf_counter(), 0.0
         for x, y in micro_batches:
             x, y = dev.to_device(x), dev.to_device(y)
             _, loss = net(x, y)
@@ -120,15 +122,17 @@ def off_memory(data, drive: Path, budget: int, drive_bps: float) -> dict:
             Activations(net.blocks, "recompute", dev)
             opt = OffloadAdam(net.parameters(), dev, lr=LR, subgroup_numel=SUBGROUP, max_grad_norm=1.0,
                               swapper=swapper, streamer=streamer, grads_on="nvme", grad_buffers=3)
-            losses, seconds, _, timed_from = train(net, dev, opt, data)
+            losses, seconds, _, timed_from = train(net, dev, opt, data, swapper.drain)
             opt.nvme.drain()
+            swapper.drain()
             timed_until = dev.trace.now()
         masters = [m.clone() for m in opt.master_weights()]  # read back from the drive to compare: not the run's
-        # the timed steps' drive bytes (the first step fetches a little more; the masters' read-back is not the run's)
-        moved = [s.nbytes for s in dev.trace.spans
-                 if s.lane in ("nvme_read", "nvme_write") and timed_from <= s.start < timed_until]
         opt.close()
     swapper.close()
+    # the timed steps' drive bytes, by when each request started (the first step fetches a little more; the masters'
+    # read-back is not the run's)
+    moved = [s.nbytes for s in dev.trace.spans
+             if s.lane in ("nvme_read", "nvme_write") and timed_from <= s.start < timed_until]
     return {"losses": losses, "masters": masters, "step_s": seconds[1:], "peak": pinned.peak,
             "drive_bytes_per_step": sum(moved) / (STEPS - 1), "device_peak": dev.ledger.peak("device")}
 

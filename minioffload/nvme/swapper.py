@@ -473,6 +473,15 @@ class Swapper:
             origin = self.trace.origin
             self.trace.record(lane, key, started - origin, time.perf_counter() - origin, nbytes)
 
+    def drain(self) -> None:
+        """Wait until every operation queued so far is done (its errors stay with its future)."""
+        while True:
+            with self._lock:
+                busy = [future for future in self._key_busy.values() if not future.done()]
+            if not busy:
+                return
+            wait(busy)
+
     def keys(self) -> list[str]:
         with self._lock:
             return sorted(self.index)

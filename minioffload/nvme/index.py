@@ -1,22 +1,31 @@
-"""The swapper's index (index.json): what a well-formed entry is, and the checks it must pass when a swapper opens.
+"""The swapper's index (index.json): what a well-formed entry is, the checks it must pass when a swapper opens, and
+how the file is replaced atomically.
 
     {"key": {"slot": 0 | 1, "nbytes": int, "dtype": "torch.float32", "shape": [..], "checksum": "<xxh3-64 hex>"}}
 
-`entry_problem` and `file_problem` say, in words, what is wrong with an entry or the slot file it points to; the
-Swapper (nvme/swapper.py) turns a problem into a SwapIOError naming the index, the key and the fix.
+    index = load(directory, file_of)   # checked: every entry well formed, its slot file there and long enough
+    replace(directory, index)          # write a temporary file, fsync, rename over index.json, fsync the directory
 
-What this is not: the commit of the index (Swapper._commit writes it atomically).
+`entry_problem` and `file_problem` say, in words, what is wrong with an entry or the slot file it points to; `load`
+turns a problem into a SwapIOError naming the index, the key and the fix.
+
+What this is not: when the index is committed (the Swapper decides: once for every write whose data is durable).
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import math
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from ..pinned import ALIGNMENT
 
+INDEX = "index.json"
 DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
                                            torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
 
@@ -60,3 +69,62 @@ def file_problem(file: Path, entry: dict) -> str | None:
     if size < padded(entry["nbytes"]):
         return f"its file {file} is truncated: {size} bytes, the index says {padded(entry['nbytes'])}"
     return None
+
+
+class SwapIOError(OSError):
+    """A read or write that failed on the disk (no space, I/O error, permission, bad checksum). The previous
+    version of the key is intact."""
+
+    def __init__(self, message: str, path: Path, key: str, cause: BaseException | None = None):
+        super().__init__(getattr(cause, "errno", None) or errno.EIO, message)
+        self.path, self.key, self.cause = path, key, cause
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def fsync_path(path: Path) -> None:
+    """Make a file's bytes, or a directory's entries (a rename into it), durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load(directory: Path, file_of: Callable[[str, int], Path]) -> dict:
+    """The index, checked: every entry well formed and its slot file (`file_of(key, slot)`) present and long enough.
+    A damaged index raises SwapIOError naming the index, the key and the file, before anything is read or written."""
+    path = directory / INDEX
+    if not path.exists():
+        return {}
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise SwapIOError(f"cannot read the swap index {path}: {err}; restore it, or point the swapper at an "
+                          "empty directory", path, "", err) from err
+    if not isinstance(index, dict):
+        raise SwapIOError(f"the swap index {path} holds a {type(index).__name__}, not a table of keys: it is "
+                          "damaged; restore it, or point the swapper at an empty directory", path, "")
+    for key, entry in index.items():
+        problem = entry_problem(entry) or file_problem(file_of(key, entry["slot"]), entry)
+        if problem:
+            raise SwapIOError(f"the swap index {path} is damaged at key {key!r}: {problem}; restore the index "
+                              "and its files, or point the swapper at an empty directory", path, key)
+    return index
+
+
+def replace(directory: Path, index: dict) -> None:
+    """Replace index.json by `index`, atomically: write, fsync, rename over the old one (the commit), fsync the
+    directory. A failure before the rename removes the temporary file and changes nothing."""
+    temporary = directory / f".{INDEX}.tmp"
+    try:
+        with open(temporary, "w") as f:
+            json.dump(index, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, directory / INDEX)
+    except BaseException:
+        temporary.unlink(missing_ok=True)  # a full disk gets its blocks back
+        raise
+    fsync_path(directory)  # the directory entry of the rename

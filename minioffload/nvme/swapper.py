@@ -35,7 +35,6 @@ What this is not: a cache (every read goes to the file), or a file format for sh
 from __future__ import annotations
 
 import errno
-import json
 import os
 import threading
 import time
@@ -48,37 +47,16 @@ import torch
 
 from ..kernels.checksum import bytes_of, checksum
 from ..pinned import ALIGNMENT, aligned_empty
+from . import index as index_file
 from .index import DTYPES as _DTYPES
-from .index import entry_problem, file_problem
+from .index import INDEX, SwapIOError, fsync_path  # noqa: F401 - the swapper's names for them
 from .index import padded as _padded
 
-INDEX = "index.json"
 _warned_buffered: set[str] = set()
-
-
-class SwapIOError(OSError):
-    """A read or write that failed on the disk (no space, I/O error, permission, bad checksum). The previous
-    version of the key is intact."""
-
-    def __init__(self, message: str, path: Path, key: str, cause: BaseException | None = None):
-        super().__init__(getattr(cause, "errno", None) or errno.EIO, message)
-        self.path, self.key, self.cause = path, key, cause
-
-    def __str__(self) -> str:
-        return self.strerror
 
 
 class _ShortRead(Exception):
     """A read that got fewer bytes than the index says the file holds."""
-
-
-def fsync_path(path: Path) -> None:
-    """Make a file's bytes, or a directory's entries (a rename into it), durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Swapper:
@@ -117,7 +95,7 @@ class Swapper:
         self._commit_lock = threading.Lock()  # one index commit at a time (they build on each other's index)
         self._key_busy: dict[str, Future] = {}  # the last operation queued on each key: the next one waits
         self._bounce = threading.local()
-        self.index: dict[str, dict] = self._load_index()
+        self.index: dict[str, dict] = index_file.load(self.directory, self._file)
         self.trace = None  # a minioffload Trace: reads and writes become spans on nvme_read / nvme_write
 
     # setup -----------------------------------------------------------------------------------
@@ -138,27 +116,6 @@ class Swapper:
             return False
         finally:
             probe.unlink(missing_ok=True)
-
-    def _load_index(self) -> dict:
-        """The index, checked: every entry well formed and its slot file present and long enough. A damaged index
-        raises SwapIOError naming the index, the key and the file, before anything is read or written."""
-        path = self.directory / INDEX
-        if not path.exists():
-            return {}
-        try:
-            index = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise SwapIOError(f"cannot read the swap index {path}: {err}; restore it, or point the swapper at an "
-                              "empty directory", path, "", err) from err
-        if not isinstance(index, dict):
-            raise SwapIOError(f"the swap index {path} holds a {type(index).__name__}, not a table of keys: it is "
-                              "damaged; restore it, or point the swapper at an empty directory", path, "")
-        for key, entry in index.items():
-            problem = entry_problem(entry) or file_problem(self._file(key, entry["slot"]), entry)
-            if problem:
-                raise SwapIOError(f"the swap index {path} is damaged at key {key!r}: {problem}; restore the index "
-                                  "and its files, or point the swapper at an empty directory", path, key)
-        return index
 
     # checks (before any I/O) -------------------------------------------------------------------
     def _check_buffer(self, tensor: torch.Tensor, what: str) -> None:
@@ -300,25 +257,15 @@ class Swapper:
             finish(None)
 
     def _commit(self, entries: dict[str, dict]) -> None:
-        """Point the index at the new versions: write, fsync, rename over the old index (the commit), fsync the
-        directory. A failure before the rename removes the temporary file and changes nothing. The file work holds
-        only the commit lock: every read and write takes `_lock` to start, and must not wait behind an fsync."""
+        """Point the index at the new versions (index_file.replace: a temporary file, fsync, rename, fsync the
+        directory); a failure changes nothing. The file work holds only the commit lock: every read and write takes
+        `_lock` to start, and must not wait behind an fsync."""
         with self._commit_lock:
             with self._lock:
                 index = {**self.index, **entries}
-            temporary = self.directory / f".{INDEX}.tmp"
-            try:
-                with open(temporary, "w") as f:
-                    json.dump(index, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(temporary, self.directory / INDEX)
-            except BaseException:
-                temporary.unlink(missing_ok=True)  # a full disk gets its blocks back
-                raise
+            index_file.replace(self.directory, index)
             with self._lock:  # merged: entries indexed in memory meanwhile (durable=False) stay
                 self.index = {**self.index, **entries}
-            fsync_path(self.directory)  # the directory entry of the rename
 
     def _release(self, key: str, slot: int) -> None:
         """After a failed write: remove its slot file, which the index does not point to (it held a version two

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+import minioffload.nvme.index as index_module
 import minioffload.nvme.swapper as swapper_module
 from minioffload.nvme.swapper import INDEX, Swapper
 from minioffload.pinned import aligned_empty
@@ -75,14 +76,14 @@ def test_a_scratch_write_reads_back_without_a_commit_of_its_own(tmp_path, monkey
 def test_a_commit_keeps_the_scratch_entries_indexed_while_it_wrote(tmp_path, monkeypatch):
     with Swapper(tmp_path) as swap:
         entered, release = threading.Event(), threading.Event()
-        real_dump = swapper_module.json.dump
+        real_dump = index_module.json.dump
 
         def slow_dump(index, f):  # the commit has read the index: a scratch write lands before it is replaced
             entered.set()
             release.wait(60)
             real_dump(index, f)
 
-        monkeypatch.setattr(swapper_module.json, "dump", slow_dump)
+        monkeypatch.setattr(index_module.json, "dump", slow_dump)
         durable = swap.write("state", filled(256, 1.0))
         assert entered.wait(60)
         swap.write("grad", filled(256, 2.0), durable=False).result()

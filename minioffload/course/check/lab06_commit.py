@@ -274,7 +274,7 @@ def _protocol_hint(steps: list[_Step], scenario: _Scenario) -> str:
     return "write the version, fsync it, then the index: temporary file, fsync, os.replace, fsync the folder"
 
 
-@grader("6.2", rebuilds=("minioffload.nvme.swapper.Swapper._commit",))
+@grader("6.2", rebuilds=("minioffload.nvme.swapper.Swapper._commit", "minioffload.nvme.index.replace"))
 def commit(fn: Callable) -> str:
     """fn(directory, key, write_version, index) -> the new index, on disk by the protocol."""
     scenarios, crashes = _scenarios(), 0

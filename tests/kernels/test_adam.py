@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from minioffload.kernels import adam
@@ -16,12 +16,16 @@ from minioffload.kernels.lowp import as_bits, from_bits
 RTOL, ATOL = 1e-6, 1e-6
 
 
-def torch_reference(p0, grads, *, lr, beta1, beta2, eps, weight_decay, decoupled):
+def torch_reference(p0, grads, *, lr, beta1, beta2, eps, weight_decay, decoupled, decay_in_fp64=False):
+    """torch's Adam (L2 decay) or AdamW. `decay_in_fp64`: L2 decay's g + wd * p formed in float64 and rounded once,
+    another correct rounding of the same step (torch forms it in fp32)."""
     param = p0.clone().requires_grad_(True)
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-    opt = cls([param], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, foreach=False)
+    decay_here = decay_in_fp64 and not decoupled
+    opt = cls([param], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=0.0 if decay_here else weight_decay,
+              foreach=False)
     for g in grads:
-        param.grad = g.clone()
+        param.grad = (g.double() + weight_decay * param.detach().double()).float() if decay_here else g.clone()
         opt.step()
     state = opt.state[param]
     return param.detach(), state["exp_avg"], state["exp_avg_sq"]
@@ -39,17 +43,28 @@ hyper = st.fixed_dictionaries({
 
 @settings(max_examples=40, deadline=None)
 @given(n=st.sampled_from([0, 1, 2, 7, 1023, 4097]), steps=st.integers(1, 4), h=hyper, seed=st.integers(0, 2**16))
+# a draw where L2 decay cancels to about eps in one element (g = 0.0108, wd * p = -0.0108)
+@example(n=4097, steps=1, h={"lr": 0.03, "beta1": 0.0, "beta2": 0.9, "eps": 1e-6, "weight_decay": 0.01,
+                             "decoupled": False}, seed=36)
 def test_every_fp32_version_matches_torch(n, steps, h, seed):
     gen = torch.Generator().manual_seed(seed)
     p0 = torch.randn(n, generator=gen)
     grads = [torch.randn(n, generator=gen) for _ in range(steps)]
     expected = torch_reference(p0, grads, **h)
+    # L2 decay's g + wd * p can cancel to about eps, where the step lr * m / (sqrt(v) + eps) turns one ulp of the
+    # decayed gradient into many ulps of the weight: allow, per element, what a one-rounding difference in forming it
+    # moves torch's own result (zero without L2 decay)
+    spread = [(a - b).abs() for a, b in zip(expected, torch_reference(p0, grads, **h, decay_in_fp64=True),
+                                           strict=True)]
     for name, fn in adam.VERSIONS.items():
         p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
         for step, g in enumerate(grads, 1):
             fn(p, g, m, v, step=step, **h)
-        for got, want, what in zip((p, m, v), expected, ("param", "exp_avg", "exp_avg_sq"), strict=True):
-            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=f"{name} {what} differs from torch")
+        for got, want, slack, what in zip((p, m, v), expected, spread, ("param", "exp_avg", "exp_avg_sq"),
+                                          strict=True):
+            off = (got - want).abs() > ATOL + RTOL * want.abs() + 2 * slack
+            assert not off.any(), (f"{name} {what} differs from torch at {int(off.sum())} of {n} elements, e.g. "
+                                   f"{got[off][:3].tolist()} against {want[off][:3].tolist()}")
 
 
 @settings(max_examples=30, deadline=None)

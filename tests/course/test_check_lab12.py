@@ -336,3 +336,14 @@ def test_the_solution_notebook_answers_pass(task_id):
 def test_a_verdict_is_one_line():
     for task_id, fn in REFERENCE.items():
         assert "\n" not in str(check.grade(task_id, fn))
+
+
+def test_the_diagnosis_buffers_add_up_to_what_the_calculator_counts():
+    # the evidence's buffers are the runtime's: their sum is memory.streamed_bytes' host bytes, wrong setting or fixed
+    for cause, setup in (*lab12_diagnose.CASES, lab12_diagnose.EXAMPLE):
+        for run in (setup, setup.with_fix({"grads_on": "nvme", "home": "nvme"})):
+            m = run.model
+            counted = memory.streamed_bytes(m.num_params, m.n_layer, resident_params=m.resident_params,
+                                            params_on=run.home, nvme=True, subgroup_numel=run.subgroup_numel,
+                                            grads_on=run.grads_on, grad_buffers=lab12_diagnose.SETS)["host"]
+            assert lab12_diagnose.pinned_bytes(run) == counted, (cause, run)

@@ -37,7 +37,7 @@ $(VENV_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[course,book,dev]"
+	$(BIN)/python -m pip install --quiet -e ".[course,book,dev,integrations]"
 	$(BIN)/python -c "import matplotlib.font_manager"  # its font cache, built once before the test workers start
 	touch $@
 

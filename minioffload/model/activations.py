@@ -75,7 +75,7 @@ class _Arena:
 
 class Activations:
     """Apply `policy` (a name from POLICIES, or one per block) to `blocks` (modules called one after another, like
-    `model.blocks`). Refuses bad input before changing anything."""
+    `model.blocks` or `find_blocks(model)`, model/streamed_blocks.py). Refuses bad input before changing anything."""
 
     def __init__(self, blocks: Sequence[torch.nn.Module], policy: str | Sequence[str], dev,
                  pool_bytes: int | None = None, min_numel: int = 1024):
@@ -94,6 +94,11 @@ class Activations:
             if name == "selective" and not callable(getattr(getattr(block, "attn", None), "core", None)):
                 raise ValueError(f"block {index} has no attn.core(q, k, v) to recompute alone (selective needs "
                                  "the course's GPT blocks); use recompute for it")
+            if name != "keep" and getattr(block, "gradient_checkpointing", False):
+                raise ValueError(f"block {index} checkpoints itself already (a Hugging Face model after "
+                                 "gradient_checkpointing_enable()): turn that off (gradient_checkpointing_disable(); "
+                                 "activation_checkpointing_disable() in transformers 5) and let the policy decide, or "
+                                 "give the block 'keep'")
             if "forward" in vars(block):
                 raise ValueError(f"block {index} already has a policy applied: remove() the other Activations first")
         if pool_bytes is not None and (isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int)

@@ -15,14 +15,23 @@ from torch import nn
 
 from ..units import format_bytes
 
+# Where models keep their stack of blocks: the course GPT and nanoGPT-style models (`blocks`), Hugging Face's GPT-2
+# (`transformer.h`), Llama, Mistral and Qwen (`model.layers`), BERT (`bert.encoder.layer`), each also as the bare
+# base model (`h`, `layers`, `encoder.layer`)
+BLOCK_PATHS = ("blocks", "transformer.h", "model.layers", "h", "layers", "encoder.layer", "bert.encoder.layer")
+
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The modules to stream: `model.blocks`, run one after another (the course's GPT, nanoGPT-style models)."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, (nn.ModuleList, nn.Sequential)) and len(blocks) > 0:
-        return list(blocks)
-    raise ValueError(f"cannot find the blocks of {type(model).__name__}: ParamStreamer streams `model.blocks`, "
-                     "an nn.ModuleList of blocks called one after another; pass blocks=[...] to name them")
+    """The modules to stream, run one after another: the first of BLOCK_PATHS that names a non-empty
+    nn.ModuleList (or nn.Sequential) of `model`."""
+    for path in BLOCK_PATHS:
+        blocks = model
+        for name in path.split("."):
+            blocks = getattr(blocks, name, None)
+        if isinstance(blocks, (nn.ModuleList, nn.Sequential)) and len(blocks) > 0:
+            return list(blocks)
+    raise ValueError(f"cannot find the blocks of {type(model).__name__}: looked for an nn.ModuleList at "
+                     f"{', '.join(BLOCK_PATHS)}; pass blocks=[...] to name the modules called one after another")
 
 
 @dataclass(eq=False)

@@ -1,6 +1,6 @@
 """Weights that live off the device: each block's weights come up just before the block runs and go once it is done.
 
-    streamer = ParamStreamer(model, dev, prefetch=2)                  # streams model.blocks; the rest is placed
+    streamer = ParamStreamer(model, dev, prefetch=2)                  # streams its blocks; the rest is placed
     opt = OffloadAdam(model.parameters(), dev, streamer=streamer)     # new weights go to the home, not the device
     loss = model(x, y)[1]; loss.backward(); opt.step()                # every fetch and release happens in hooks
 
@@ -34,7 +34,9 @@ home instead, as a host tensor, and `model.load_state_dict()` writes them home; 
 name.
 
 `budget_bytes` bounds the streamed weights on the device at once: a block and its k prefetches must fit (checked
-before anything moves); a prefetch that would not fit is left for later. Parameters outside the blocks
+before anything moves); a prefetch that would not fit is left for later. The blocks are the model's stack as
+`find_blocks` finds it (the course GPT's `blocks`; Hugging Face's `transformer.h`, `model.layers`, `encoder.layer`) or
+the modules given as `blocks=`. Parameters outside the blocks
 (embeddings, the tied head, the last norm) and any parameter a block shares stay on the device (`resident`).
 
 What this is not: parameters sharded across GPUs (chapter 10), nor the choice of depth and budget (chapter 9).

@@ -71,14 +71,20 @@ class Workload:
     @classmethod
     def of(cls, model, tokens: int, precision: str | None = None, recompute: bool = False) -> Workload:
         """The workload of a torch model: its trainable parameters and tensors, its dtype unless given; its blocks
-        from `model.blocks` when it has them (a course GPT), else one block of everything."""
+        where model.streamed_blocks.find_blocks finds them (a course GPT, a Hugging Face GPT-2, Llama or BERT), else
+        one block of everything."""
+        from ..model.streamed_blocks import find_blocks
+
         params = [p for p in model.parameters() if p.requires_grad]
         if precision is None:
             precision = "fp32" if params[0].dtype.itemsize == 4 else "mixed_bf16"
-        num_params, blocks = sum(p.numel() for p in params), getattr(model, "blocks", None)
-        if not blocks:
+        num_params = sum(p.numel() for p in params)
+        try:
+            blocks = find_blocks(model)
+        except ValueError:
             return cls(num_params, tokens, precision, len(params), recompute)
-        in_blocks = sum(p.numel() for p in blocks.parameters() if p.requires_grad)
+        in_blocks = sum(p.numel() for p in {id(p): p for b in blocks for p in b.parameters() if p.requires_grad}
+                        .values())
         return cls(num_params, tokens, precision, len(params), recompute, len(blocks), num_params - in_blocks)
 
 

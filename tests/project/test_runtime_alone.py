@@ -1,6 +1,8 @@
 """The runtime needs torch, NumPy, Numba and xxhash alone: in a fresh interpreter that refuses the course's libraries
-(matplotlib, ipywidgets, IPython, tqdm, jupyter*, nbformat), every module of minioffload outside minioffload.course
-imports, and a small model trains with OffloadAdam on the simulated device."""
+(matplotlib, ipywidgets, IPython, tqdm, jupyter*, nbformat) and the integrations' (transformers, accelerate,
+lightning), every module of minioffload outside minioffload.course imports (of minioffload.integrations, the package
+itself: each framework's module needs its framework), and a small model trains with OffloadAdam on the simulated
+device."""
 
 import subprocess
 import sys
@@ -13,7 +15,8 @@ SCRIPT = textwrap.dedent('''
     import pkgutil
     import sys
 
-    REFUSED = ("matplotlib", "ipywidgets", "IPython", "tqdm", "nbformat")
+    REFUSED = ("matplotlib", "ipywidgets", "IPython", "tqdm", "nbformat",
+               "transformers", "accelerate", "lightning", "pytorch_lightning")
     PACKAGE = importlib.util.find_spec("minioffload").submodule_search_locations[0]
     asked = set()  # (library, runtime file) for each runtime module that itself asked for one
 
@@ -60,7 +63,7 @@ SCRIPT = textwrap.dedent('''
                 continue
             imported = importlib.import_module(module.name)
             yield module.name
-            if module.ispkg:
+            if module.ispkg and module.name != "minioffload.integrations":
                 yield from runtime_modules(imported.__path__, module.name + ".")
 
 

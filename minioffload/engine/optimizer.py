@@ -6,6 +6,11 @@
     opt.step()               # per subgroup: CPU Adam, then the new weights go back on another copy stream
     opt.zero_grad()
 
+After backward no offloaded parameter has a `.grad` on the device, so `torch.nn.utils.clip_grad_norm_` over the model
+clips nothing. Clip with `max_grad_norm=` (inside step()), or, in a loop that clips on its own between backward and
+step() (Hugging Face's Trainer, Lightning: minioffload/integrations/), with `opt.clip_grad_norm_(max_norm)`: it gathers
+the step's gradients on the host then and there, returns their norm, and the coming step() uses its coefficient.
+
 The flow of one step (every arrow a span in `dev.trace`):
   backward -> post-accumulate-grad hook -> D2H of that gradient into pinned staging (device gradient
   released) -> step(): wait for each subgroup's copies, add them into its fp32 gradient -> global norm
@@ -118,6 +123,9 @@ class OffloadAdam(torch.optim.Optimizer):
         self.dev, self.options, self.swapper, self.streamer, self.shard = dev, options, swapper, streamer, shard
         self._closed = False
         self.last_grad_norm: float | None = None  # before clipping, unscaled; None when clipping is off
+        # what clip_grad_norm_() found for the coming step(): "gathered" (speculations, finite), "clipped" (coef, norm).
+        # Changed in place, never rebound: a wrapper that forwards attribute reads (Lightning's) shares it
+        self._this_step: dict = {}
         self.loss_scale = LossScale.of(options.loss_scale, options.growth_interval)
         self.updates = 0  # steps not skipped
         self.delayed = DelayedUpdate(options.delay_updates_after) if options.delayed else None
@@ -184,6 +192,9 @@ class OffloadAdam(torch.optim.Optimizer):
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         """backward's post-accumulate-grad hook: where each gradient goes as soon as it is ready."""
         slot = self.packing.slots[param]
+        if "clipped" in self._this_step:  # the norm clip_grad_norm_() returned would not hold; its gradient stays put
+            raise RuntimeError("a backward ran after clip_grad_norm_() and before step(): call clip_grad_norm_() after "
+                               "the step's last backward (or zero_grad() to drop the step)")
         if self.sharded is not None:  # held until its subgroup is complete, then summed into the subgroup's owner
             return self.sharded.gather_grad(slot)
         if self.speculative is not None:  # before anything is queued for a gradient that comes too late
@@ -211,22 +222,16 @@ class OffloadAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._send_delayed_weights()  # a delayed update from the last step: its weights go up now
-        if self.sharded is not None:
-            self.sharded.reduce_the_rest(self.kept)
-        speculations = self.speculative.join() if self.speculative is not None else {}  # begun during backward
-        self.grads.send_partial_buckets()
-        if self.spill is not None:  # every gradient to the drive; what the check and the norm need, per subgroup
-            speculations = self.spill.finish()
-        for slot in self.packing.slots.values():
-            self.grads.add_pending(slot)
-        if not self.grads.finite(speculations, self._device_grads()):  # overflow: skip this step everywhere,
-            self.loss_scale.skipped()                                  # touch no state, lower the scale
+        speculations, finite = self._gather()  # (already done when clip_grad_norm_() ran)
+        clipped = self._this_step.get("clipped")
+        self._this_step.clear()
+        if not finite:  # overflow: skip this step everywhere,
+            self.loss_scale.skipped()  # touch no state, lower the scale
             self.zero_grad()  # (and speculated weights are taken back)
             self.next_forward_waits()
             return loss
-        coef, self.last_grad_norm = self.grads.clip_coefficient(self.options.max_grad_norm, speculations,
-                                                                self._device_grads())
+        coef, self.last_grad_norm = clipped or self.grads.clip_coefficient(self.options.max_grad_norm, speculations,
+                                                                           self._device_grads())
         fresh = [slot for slot in self.packing.slots.values() if slot.has_grad]
         for slot in fresh:
             slot.has_grad = False
@@ -245,6 +250,50 @@ class OffloadAdam(torch.optim.Optimizer):
         self.loss_scale.clean()
         self.next_forward_waits()
         return loss
+
+    def _gather(self) -> tuple[dict, bool]:
+        """The step's gradients, every one in its subgroup's fp32 buffer (or measured on the drive): a delayed update's
+        weights sent, a rank's share reduced, the speculative updates joined, partial buckets sent, the spill finished,
+        every copy added in. Returns (speculations: what they or the spill measured, finite: no overflow). Once per
+        step: clip_grad_norm_() gathers early, and step() then takes what it found."""
+        if "gathered" in self._this_step:
+            return self._this_step["gathered"]
+        self._send_delayed_weights()  # a delayed update from the last step: its weights go up now
+        if self.sharded is not None:
+            self.sharded.reduce_the_rest(self.kept)
+        speculations = self.speculative.join() if self.speculative is not None else {}  # begun during backward
+        self.grads.send_partial_buckets()
+        if self.spill is not None:  # every gradient to the drive; what the check and the norm need, per subgroup
+            speculations = self.spill.finish()
+        for slot in self.packing.slots.values():
+            self.grads.add_pending(slot)
+        self._this_step["gathered"] = speculations, self.grads.finite(speculations, self._device_grads())
+        return self._this_step["gathered"]
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of the coming step() to the global L2 norm `max_norm`, as torch.nn.utils.clip_grad_norm_
+        does, and return their norm before clipping (unscaled; a 0-dim fp32 tensor, inf or NaN when they overflowed:
+        step() then skips). Call it after the step's last backward; `float("inf")` measures without clipping."""
+        if norm_type != 2.0:
+            raise ValueError(f"OffloadAdam clips by the L2 norm only, not norm_type={norm_type}: pass norm_type=2")
+        if not max_norm >= 0:  # NaN too
+            raise ValueError(f"max_norm must be >= 0 (float('inf') measures without clipping), got {max_norm}")
+        if self.options.max_grad_norm is not None:
+            raise ValueError(f"this OffloadAdam clips inside step() (max_grad_norm={self.options.max_grad_norm}): "
+                             "clip in one place: build it without max_grad_norm, or have the loop not clip "
+                             "(TrainingArguments(max_grad_norm=0), Lightning's gradient_clip_val=None)")
+        if "clipped" in self._this_step:
+            raise RuntimeError("clip_grad_norm_() ran already in this step: clip once between the last backward and "
+                               "step() (its norm stands until then)")
+        if self.spill is not None:
+            raise ValueError("with grads_on='nvme' each gradient is measured as it goes to the drive, during backward: "
+                             "clip with OffloadAdam(max_grad_norm=...) instead of clip_grad_norm_()")
+        speculations, _ = self._gather()
+        measured = {key: spec for key, spec in speculations.items() if spec.squares is not None}  # without clipping
+        coef, norm = self.grads.clip_coefficient(max_norm, measured, self._device_grads())  # speculation skips it
+        self._this_step["clipped"] = coef, norm
+        return torch.tensor(norm, dtype=torch.float32)
 
     def _update_all(self, coef: float, fresh: list[Slot], hyper: dict, send: bool) -> list[Slot]:
         """CPU Adam over every subgroup; `send`: each subgroup's weights go up while the next one updates,
@@ -385,6 +434,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._closed = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._this_step.clear()  # the step is dropped, its norm with it
         for p in [*self.kept, *self.packing.slots]:
             p.grad = None
         if self.speculative is not None and self.speculative.speculations:

@@ -28,7 +28,11 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
     what.add_argument("--params", type=parse_count, default=None, help="a GPT-3-family model of this size, e.g. 70B")
     what.add_argument("--model", choices=GPTConfig.preset_names(), default=None,
                       help="a course GPT (its plan runs with `train --plan`)")
-    pl.add_argument("--seq-len", type=int, default=None, help="context length (default: 2048, or the preset's)")
+    what.add_argument("--hf-config", default=None, metavar="CONFIG.json",
+                      help="a Hugging Face model's config.json (model_type gpt2, llama, mistral, qwen2 or bert; no "
+                           "transformers needed), e.g. the bundled minioffload/data/llama-3-8b.config.json")
+    pl.add_argument("--seq-len", type=int, default=None,
+                    help="context length (default: 2048, the preset's, or the config's max_position_embeddings)")
     pl.add_argument("--batch", type=int, default=8, help="sequences per optimizer step (micro-batch x accumulation)")
     pl.add_argument("--hardware", default="h100-sxm",
                     help=f"a preset ({', '.join([*profiles.PRESETS, *profiles.PAPER_PRESETS, *profiles.NODE_PRESETS])})"
@@ -121,7 +125,9 @@ def check_plan_args(args: argparse.Namespace, pl: argparse.ArgumentParser) -> No
     if args.lr is not None and not 0 < args.lr < math.inf:
         pl.error(f"--lr must be a positive learning rate, got {args.lr}")
     try:
-        if args.model is not None:
+        if args.hf_config is not None:
+            args.spec = spec_of_hf_config(args.hf_config, args.seq_len, pl)
+        elif args.model is not None:
             args.spec = planner.ModelSpec.of_preset(args.model, args.seq_len)
         else:
             args.spec = planner.ModelSpec.of_params(args.params or 7e9, args.seq_len or 2048)
@@ -140,6 +146,30 @@ def check_plan_args(args: argparse.Namespace, pl: argparse.ArgumentParser) -> No
         if args.device_memory is None:  # the sim device's own memory, not the host's
             args.limits = dataclasses.replace(args.limits, device_bytes=SimDevice.DEFAULT_MEMORY)
     args.hardware_profile = hw
+
+
+def spec_of_hf_config(path: str, seq_len: int | None, pl: argparse.ArgumentParser):
+    """The ModelSpec of the Hugging Face config.json at `path` (ModelSpec.from_config), or the parser's error."""
+    import json
+    from pathlib import Path
+
+    from ..predict.shapes import ModelSpec
+
+    try:
+        config = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        pl.error(f"--hf-config: there is no file {path}: give the path of a model's config.json")
+    except IsADirectoryError:
+        pl.error(f"--hf-config: {path} is a directory: give the config.json in it")
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        pl.error(f"--hf-config: {path} is not JSON ({err}): give a Hugging Face model's config.json")
+    if not isinstance(config, dict):
+        pl.error(f"--hf-config: {path} holds a JSON {type(config).__name__}, not a config object: give a Hugging "
+                 "Face model's config.json")
+    try:
+        return ModelSpec.from_config(config, seq_len)
+    except ValueError as err:
+        pl.error(f"--hf-config {path}: {err}")
 
 
 def planned_config(args: argparse.Namespace, tr: argparse.ArgumentParser, fields: dict):

@@ -175,8 +175,7 @@ def _problem(model: ModelSpec, hw: Hardware, c: _Config, limits: Limits, capacit
     """The MILP of one configuration, and the device bytes outside it (the block in backward, the head's inputs, the
     logits, the gradients on their way to the host)."""
     value_bytes = 4 if limits.precision == "fp32" else 2
-    block = BlockShape(model.seq_len, c.micro_batch, model.d_model, model.n_head, value_bytes,
-                       model.fused_attention)
+    block = BlockShape.of(model, c.micro_batch, value_bytes)  # its layout: a GPT's, or a Llama's (SwiGLU, GQA)
     costs = policy_costs(block, hw, limits.mfu)
     # an offloaded set waits on the device until its copy is done: the next block's forward runs beside it
     options = tuple(Option(p, costs[p].device_bytes, costs[p].link_bytes if p.startswith("offload") else 0,
@@ -346,8 +345,7 @@ def step_seconds(p: Plan, hw: Hardware, limits: Limits) -> float:
     under `limits`: `p.step_s` again with the profile and limits it was planned with; with another (a compute rate
     measured later, as bench/plan_accuracy.py does beside its runs), what the same plan's step comes to then."""
     value_bytes = 4 if p.precision == "fp32" else 2
-    block = BlockShape(p.model.seq_len, p.micro_batch, p.model.d_model, p.model.n_head, value_bytes,
-                       p.model.fused_attention)
+    block = BlockShape.of(p.model, p.micro_batch, value_bytes)
     costs = policy_costs(block, hw, limits.mfu)
     c = _Config(p.optimizer_on, p.params_on, p.prefetch, p.delay, p.gpu_fraction is not None, p.subgroup_numel,
                 p.micro_batch, p.grads_on)

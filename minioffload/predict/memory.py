@@ -6,7 +6,8 @@ Pure bookkeeping (nothing here allocates real memory):
   nvme) for weights, gradients, master weights and optimizer state. Mixed-precision Adam gives the
   classic 2 + 2 + 4 + 4 + 4 = 16 B/param of ZeRO (Rajbhandari et al., 2020).
 * `activation_bytes_per_layer(...)`: activation memory of one GPT block, from Korthikanti et al.,
-  "Reducing Activation Recomputation in Large Transformer Models" (2022).
+  "Reducing Activation Recomputation in Large Transformer Models" (2022); block_activations.py counts it term by term,
+  and other layouts (Llama's RMSNorm, SwiGLU, grouped-query attention) the same way.
 * `engine_bytes(...)`: what `OffloadAdam` holds on each tier, exactly, subgroup by subgroup.
 * `streamed_bytes(...)`, `activation_bytes(...)`: each tier with the blocks' weights streamed (chapter 8), and
   the activations a stack of blocks holds under one of chapter 7's policies.

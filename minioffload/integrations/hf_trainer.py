@@ -13,8 +13,9 @@ Checkpoints need nothing extra: the Trainer saves `optimizer.state_dict()` (Offl
 and the model's safetensors; a subgroup's parameters are views of one flat tensor, which transformers' save finds to be
 disjoint and saves as separate tensors. Resuming loads the weights into the same parameters, then the optimizer state.
 
-What this is not: a Trainer that creates an OffloadAdam (pass it in `optimizers=`), nor DeepSpeed/FSDP support (the
-Trainer refuses `optimizers=` with those).
+What this is not: a Trainer that creates an OffloadAdam (pass it in `optimizers=`), nor a way to run OffloadAdam under
+the Trainer's DeepSpeed or FSDP (DeepSpeed's engine runs its own optimizer step; the Trainer refuses `optimizers=` with
+FSDP).
 """
 
 from __future__ import annotations

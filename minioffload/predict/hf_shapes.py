@@ -8,7 +8,8 @@ Keys read (either name): hidden_size/n_embd, num_hidden_layers/n_layer, num_atte
 num_key_value_heads, intermediate_size/n_inner, vocab_size, max_position_embeddings/n_positions (the default
 context), tie_word_embeddings, hidden_act/activation_function, attention_bias, mlp_bias, the dropout probabilities,
 BERT's type_vocab_size and architectures (BertForMaskedLM: the masked-LM head, no pooler; any other: the pooler, no
-head; a task head of its own, e.g. a classifier, is not counted).
+head; a task head of its own, e.g. a classifier, is not counted), and the attention a built model runs (a config
+object's: "eager", written out, keeps the scores for backward; a config.json's default is the fused kernel).
 
 What this is not: a loader (no weights, and transformers is never imported: a dict is enough), nor a way to describe
 models of other layouts (mixture of experts, a head_dim apart from d_model / n_head, ...): describe those by hand,
@@ -54,6 +55,9 @@ def _get(cfg: dict, *names: str, default=KeyError):
 def spec_fields(config, seq_len: int | None = None) -> dict:
     """ModelSpec's fields for the model of `config` (module docstring), its context `seq_len` or the config's."""
     cfg = config_dict(config)
+    # the attention a built model runs (a config object knows it; a config.json does not: torch's fused kernel,
+    # transformers' default); written-out ("eager") attention keeps its scores for backward
+    attention = getattr(config, "_attn_implementation", None) or cfg.get("attn_implementation") or "sdpa"
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED:
         what = f"model_type {model_type!r}" if model_type else "a config without model_type"
@@ -75,7 +79,7 @@ def spec_fields(config, seq_len: int | None = None) -> dict:
                   d_ff=_get(cfg, "intermediate_size", "n_inner", default=None), qkv_bias=qkv_bias,
                   attn_out_bias=out_bias, mlp_bias=bool(cfg.get("mlp_bias", mlp_bias)),
                   tied_head=bool(cfg.get("tie_word_embeddings", _TIED_BY_DEFAULT[model_type])),
-                  activation=activation, family=model_type)
+                  activation=activation, family=model_type, fused_attention=attention != "eager")
     if model_type in ("llama", "mistral", "qwen2"):
         fields.update(n_kv_head=_get(cfg, "num_key_value_heads", default=None), gated_mlp=True, norm="rmsnorm",
                       positions="rotary", dropout=False)

@@ -14,12 +14,21 @@ from dataclasses import dataclass, field
 from ..machine.profiles import Hardware
 from ..trace import Trace, union_length
 
+_RANKS: dict[str, int | None] = {}  # lane -> rank_of(lane): a step asks it of every op, and there are few lanes
+
 
 def rank_of(lane: str) -> int | None:
     """The rank whose lane this is: rank r > 0's lanes end in ":r"; rank 0's have no suffix; None for the lanes all
     ranks share ("compute": the ranks compute alike; "net": the collectives occupy every rank at once)."""
+    try:
+        return _RANKS[lane]
+    except KeyError:
+        pass
     base, _, rank = lane.partition(":")
-    return int(rank) if rank else (None if base in ("compute", "net", "") else 0)
+    result = int(rank) if rank else (None if base in ("compute", "net", "") else 0)
+    if len(_RANKS) < 4096:  # lanes are a few per rank; a bound all the same
+        _RANKS[lane] = result
+    return result
 
 
 def resource_of(lane: str, hw: Hardware) -> str:
@@ -83,18 +92,22 @@ class Prediction:
 
 
 def _prediction(trace: Trace, step_s: float, hw: Hardware) -> Prediction:
-    lanes = sorted({s.lane for s in trace.spans}, key=lambda lane: (lane != "compute", lane))
-    busy = {lane: trace.busy(lane) for lane in lanes}
-    compute = [(s.start, s.end) for s in trace.spans if s.lane == "compute"]
-    fetches = [(s.start, s.end) for s in trace.spans if s.name.startswith(("fetch block", "read block"))]
-    exposed = {}
-    for lane in lanes:
-        if lane != "compute":
-            spans = [(s.start, s.end) for s in trace.spans if s.lane == lane]
-            exposed[lane] = union_length(spans) - _overlap(spans, compute)
-    resources: dict[str, list] = {}
-    for span in trace.spans:
-        resources.setdefault(resource_of(span.lane, hw), []).append((span.start, span.end))
+    # one pass over the spans: (start, end) per lane, in the trace's order (what trace.busy(lane) reads), and the
+    # fetches; a resource's intervals are its lanes' (union_length sorts them: their order does not matter)
+    on: dict[str, list[tuple[float, float]]] = {}
+    fetches = []
+    for s in trace.spans:
+        interval = (s.start, s.end)
+        on.setdefault(s.lane, []).append(interval)
+        if s.name.startswith(("fetch block", "read block")):
+            fetches.append(interval)
+    lanes = sorted(on, key=lambda lane: (lane != "compute", lane))
+    busy = {lane: union_length(on[lane]) for lane in lanes}
+    compute = on.get("compute", [])
+    exposed = {lane: busy[lane] - _overlap(on[lane], compute) for lane in lanes if lane != "compute"}
+    resources: dict[str, list] = {}  # in the order each resource first appears in the trace, as its lanes do
+    for lane, spans in on.items():
+        resources.setdefault(resource_of(lane, hw), []).extend(spans)
     resource_busy = {resource: union_length(spans) for resource, spans in resources.items()}
     bound = max(resource_busy, key=resource_busy.get) if resources else "nothing"
     fetch_s = union_length(fetches)

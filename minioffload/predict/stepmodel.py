@@ -65,6 +65,7 @@ each moves; it ignores Python overheads, caches, and everything the profile does
 
 from __future__ import annotations
 
+import gc
 import math
 
 from ..layout import STATE_BYTES_PER_PARAM, device_subgroups
@@ -405,6 +406,18 @@ class _Builder:
 
 def predict(work: Workload, hw: Hardware, config: StepConfig | None = None, steps: int = 3) -> Prediction:
     """The predicted steady-state step of `work` on `hw` with `config` (default: optimizer offload)."""
+    # A prediction makes tens of thousands of small objects (ops, their deps, spans) that live until it returns:
+    # the garbage collector's full passes over them took a third of a planner's search, and find nothing to free.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _predict(work, hw, config, steps)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _predict(work: Workload, hw: Hardware, config: StepConfig | None, steps: int) -> Prediction:
     config = config or StepConfig()
     if not isinstance(hw, Hardware):
         raise TypeError(f"hw must be a profiles.Hardware (profiles.preset(name) or profiles.probe()), got "
@@ -421,9 +434,10 @@ def predict(work: Workload, hw: Hardware, config: StepConfig | None = None, step
     ops = builder.plan.ops
     start, end = ops[ends[-2]].end, ops[ends[-1]].end
     trace = Trace(origin=0.0)
-    for op in ops:  # the last step's window: what runs between the previous step's end and this one's
-        if op.lane and rank_of(op.lane) in (0, None) and op.end > start and op.start < end and op.seconds > 0:
-            trace.record(op.lane, op.name, max(op.start, start) - start, min(op.end, end) - start, op.nbytes)
+    # the last step's window: what runs between the previous step's end and this one's
+    trace.record_many((op.lane, op.name, max(op.start, start) - start, min(op.end, end) - start, op.nbytes)
+                      for op in ops if op.lane and rank_of(op.lane) in (0, None) and op.end > start
+                      and op.start < end and op.seconds > 0)
     # Host DRAM is one resource the lanes share: the CPU's passes and every DMA to or from host memory. The
     # schedule lets them overlap freely; the step can be no shorter than their bytes over its bandwidth, and a
     # synchronous update phase (from step() to the next forward) no shorter than its own bytes over it.

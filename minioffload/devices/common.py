@@ -93,10 +93,12 @@ class DeviceMemory:
             self._release(tensor.untyped_storage().data_ptr(), key)
 
     def adopt(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        """Count an existing tensor (once, however often it is adopted)."""
+        """Count an existing tensor's memory: its whole storage, once, however often it or another view of the same
+        storage is adopted (autograd saves q, k and v as three views of one projection's output: one storage)."""
         if self.holds(tensor):
             return tensor
-        _, key = self.reserve(tuple(tensor.shape), tensor.dtype, name)
+        storage = tensor.untyped_storage()
+        _, key = self.reserve(storage.nbytes(), torch.uint8, name)
         return self.track(tensor, key)
 
     def holds(self, tensor: torch.Tensor) -> bool:

@@ -236,3 +236,15 @@ def test_spans_after_clearing_the_trace_are_on_its_new_clock(dev):
     after = dev.trace.now()
     (span,) = [s for s in dev.trace.spans if s.lane == "h2d"]
     assert before - 1e-3 <= span.start <= span.end <= after + 1e-3
+
+
+def test_adopting_views_counts_their_storage_once_and_whole(dev):
+    # autograd saves q, k and v as three views of one projection's output: the device holds that storage, whole
+    fused = dev.to_device(torch.randn(4, 3 * 256)) if dev.kind == "sim" else torch.randn(4, 3 * 256, device="cuda")
+    q, k, v = fused.split(256, dim=1)
+    before = dev.ledger.used("device")
+    for view in (q, k, v):
+        dev.adopt(view, "saved")
+    assert dev.ledger.used("device") - before == fused.untyped_storage().nbytes() == 4 * 3 * 256 * 4
+    del q, k, v, view, fused
+    assert dev.ledger.used("device") == before  # freed with its storage

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import textwrap
 
+from ..model.streamed_blocks import BLOCK_PATHS
 from .export import WEIGHT_DECAY, unsupported
 from .plan import Plan
 
@@ -65,6 +66,25 @@ def _activation_code(plan: Plan) -> str:
     rows.append("    block.forward = run")
     return (_SELECTIVE if "selective" in used else "") + "\n".join(rows) + "\n"
 
+
+# The exported code finds a model's blocks where minioffload's find_blocks looks (model/streamed_blocks.py)
+_FIND_BLOCKS = f'''
+
+BLOCK_PATHS = {BLOCK_PATHS!r}
+
+
+def find_blocks(model):
+    """The model's transformer blocks in order: the first of BLOCK_PATHS that names a non-empty ModuleList (the
+    course's GPT, Hugging Face's GPT-2, Llama, Mistral, Qwen2 and BERT); other models name theirs (blocks=...)."""
+    for path in BLOCK_PATHS:
+        blocks = model
+        for name in path.split("."):
+            blocks = getattr(blocks, name, None)
+        if isinstance(blocks, (torch.nn.ModuleList, torch.nn.Sequential)) and len(blocks) > 0:
+            return list(blocks)
+    raise ValueError(f"cannot find the blocks of {{type(model).__name__}} at {{', '.join(BLOCK_PATHS)}}: pass "
+                     "apply_plan(model, blocks=[...]), the modules the model runs one after another")
+'''
 
 _TRAIN_STEP = '''
 
@@ -147,7 +167,7 @@ def to_fsdp2_code(plan: Plan) -> str:
     streamed = offload or plan.params_on != "device"
     usage = ("Run under torchrun after torch.distributed.init_process_group: model = apply_plan(model); "
              "optimizer = make_optimizer(model, lr=<your model's learning rate>); then train_step(model, optimizer, "
-             "micro_batches) per step.")
+             "micro_batches) per step (a Hugging Face model: with loss_of=lambda model, batch: model(**batch).loss).")
     policy = "CPUOffloadPolicy(pin_memory=pin_memory)" if offload else "OffloadPolicy()"
     mixed = ("MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
              if plan.precision == "mixed_bf16" else "MixedPrecisionPolicy()")
@@ -160,9 +180,9 @@ def to_fsdp2_code(plan: Plan) -> str:
     body = f'''
 
 def apply_plan(model, blocks=None, mesh=None, pin_memory=True):
-    """Shard `model` as the plan says; `blocks`: its transformer blocks in order (model.blocks unless given).
+    """Shard `model` as the plan says; `blocks`: its transformer blocks in order (find_blocks(model) unless given).
     `pin_memory=False` where host memory cannot be pinned (no CUDA). Returns the model."""
-    blocks = list(model.blocks if blocks is None else blocks)
+    blocks = list(find_blocks(model) if blocks is None else blocks)
     if len(blocks) != len(POLICIES):
         raise ValueError(f"the plan has {{len(POLICIES)}} blocks, this model {{len(blocks)}}")
     options = dict(mesh=mesh, reshard_after_forward={streamed!r}, offload_policy={policy},
@@ -191,7 +211,7 @@ def make_optimizer(model, lr, weight_decay={WEIGHT_DECAY!r}):
         _constants(plan, PREFETCH=(prefetch, "blocks whose weights are fetched ahead of the one computing")),
         _policies(plan),
         _activation_code(plan),
-    ]) + body + train
+    ]) + _FIND_BLOCKS + body + train
     return _tidy(code)
 
 
@@ -205,7 +225,7 @@ def to_torchao_code(plan: Plan) -> str:
     acts = any(p != "keep" for p in plan.activations)
     usage = ("One GPU (torchao's offload is single-GPU): model = apply_plan(model.cuda()); "
              "optimizer = make_optimizer(model, lr=<your model's learning rate>); then train_step(model, optimizer, "
-             "micro_batches) per step.")
+             "micro_batches) per step (a Hugging Face model: with loss_of=lambda model, batch: model(**batch).loss).")
     if offload:
         make = ("CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=OFFLOAD_GRADIENTS,\n"
                 "                               fused=True, lr=lr, weight_decay=weight_decay)")
@@ -217,9 +237,9 @@ def to_torchao_code(plan: Plan) -> str:
     body = f'''
 
 def apply_plan(model, blocks=None, pin_memory=True):
-    """Set each block's activation policy; `blocks`: the transformer blocks in order (model.blocks unless given).
-    The weights stay where the model is (on the GPU). Returns the model."""
-    blocks = list(model.blocks if blocks is None else blocks)
+    """Set each block's activation policy; `blocks`: the transformer blocks in order (find_blocks(model) unless
+    given). The weights stay where the model is (on the GPU). Returns the model."""
+    blocks = list(find_blocks(model) if blocks is None else blocks)
     if len(blocks) != len(POLICIES):
         raise ValueError(f"the plan has {{len(POLICIES)}} blocks, this model {{len(blocks)}}")
     for block, policy in zip(blocks, POLICIES):
@@ -245,7 +265,7 @@ def make_optimizer(model, lr, weight_decay={WEIGHT_DECAY!r}):
         _constants(plan, **more),
         _policies(plan),
         _activation_code(plan),
-    ]) + body + train
+    ]) + _FIND_BLOCKS + body + train
     return _tidy(code)
 
 

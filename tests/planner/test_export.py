@@ -330,3 +330,20 @@ def test_torchao_code_runs_with_a_stand_in(monkeypatch):
     assert loss.item() == pytest.approx(_reference_step(reference, batches), rel=1e-6)
     for mine, plain in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(mine, plain)
+
+
+@pytest.mark.parametrize("export_code", [to_fsdp2_code, to_torchao_code], ids=["fsdp2", "torchao"])
+def test_the_exported_code_finds_a_hugging_face_models_blocks(export_code, monkeypatch):
+    hf_models = pytest.importorskip("hf_models")
+    stacks = {"llama": lambda m: m.model.layers, "gpt2": lambda m: m.transformer.h,
+              "bert": lambda m: m.bert.encoder.layer}
+    models = {family: hf_models.tiny(family) for family in stacks}  # first: transformers looks for torchao
+    monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))  # only its import runs here
+    monkeypatch.setitem(sys.modules, "torchao.optim", types.SimpleNamespace(CPUOffloadOptimizer=None))
+    namespace: dict = {}
+    exec(compile(export_code(make_plan(precision="fp32", activations=("recompute", "keep"))), "<plan>", "exec"),
+         namespace)
+    for family, model in models.items():
+        assert namespace["find_blocks"](model) == list(stacks[family](model))
+    with pytest.raises(ValueError, match="pass apply_plan"):
+        namespace["find_blocks"](torch.nn.Linear(2, 2))

@@ -60,7 +60,9 @@ FEATURES = {
     4: {"speculative update and gradient buckets, GPU lagging":
         "tests/engine/test_offload_speculative.py::test_on_cuda_every_variant_trains_like_the_synchronous_step",
         "train end to end with the offloaded optimizer": f"{TRAIN}[offloaded optimizer]",
-        "kept small parameters, one sync per check": "tests/engine/test_device_gradients.py::test_gpu_"},
+        "kept small parameters, one sync per check": "tests/engine/test_device_gradients.py::test_gpu_",
+        "clipping through the optimizer (clip_grad_norm_), GPU lagging":
+        "tests/engine/test_clip_grad_norm.py::test_on_cuda_"},
     5: {"hybrid split, stride and fraction": "tests/engine/test_hybrid.py::test_on_cuda_every_split",
         "the CuPy Adam kernel": "tests/engine/test_hybrid.py::test_the_cupy_kernel_matches_torch_fused_adamw",
         "train end to end with a hybrid update": f"{TRAIN}[hybrid update, dynamic]"},
@@ -71,6 +73,8 @@ FEATURES = {
     8: {"streamed weights from host and NVMe homes, GPU lagging":
         "tests/model/test_streaming.py::test_on_cuda_streaming_trains_like_resident_weights",
         "train end to end with weights streamed from NVMe": f"{TRAIN}[streamed weights from NVMe]",
+        "a Hugging Face Llama streamed, activations offloaded, GPU lagging (skips without transformers)":
+        "tests/model/test_hf_models.py::test_on_cuda_",
         "streaming timed": "streaming"},
     9: {"the machine probed (CUDA, pinned memory limit)": "doctor"},
     10: {"sharded offload over NCCL": "sharded train (NCCL)"},

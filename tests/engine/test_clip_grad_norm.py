@@ -195,3 +195,35 @@ def test_clipping_through_a_wrapper_that_forwards_reads_reaches_the_step():
             opt.zero_grad()
         dev.synchronize()
     assert all(torch.equal(a, b.detach()) for a, b in zip(wrapped, model.parameters(), strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("options", [{}, {"speculative": True}], ids=["offloaded", "speculative"])
+def test_on_cuda_clipping_from_outside_equals_max_grad_norm(options):
+    """On a GPU that lags the host: clip_grad_norm_ gathers gradients whose copies may still be queued; the step
+    it clips equals the one OffloadAdam(max_grad_norm=...) clips, and the norm is torch's on a plain copy."""
+    from helpers import keep_gpu_busy
+
+    results, norms = [], []
+    for outside in (True, False):
+        torch.manual_seed(0)
+        model = Toy().cuda()
+        with device("cuda") as dev:
+            opt = OffloadAdam(model.parameters(), dev, subgroup_numel=300, max_grad_norm=None if outside else CLIP,
+                              **options, **HYPER)
+            for step in range(3):
+                idx, targets = (t.cuda() for t in batch(100 * step))
+                keep_gpu_busy()  # the gradients' copies queue behind this: the norm must wait for them
+                loss_of(model, idx, targets).backward()
+                if outside:
+                    norms.append(opt.clip_grad_norm_(CLIP).item())
+                keep_gpu_busy()
+                opt.step()
+                opt.zero_grad()
+            dev.synchronize()
+            results.append([p.detach().cpu() for p in model.parameters()])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # embedding backward may sum in another order
+    _, their_norms = torch_run(CLIP)
+    torch.testing.assert_close(torch.tensor(norms), torch.stack(their_norms), rtol=1e-5, atol=1e-6)

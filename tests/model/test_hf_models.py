@@ -119,3 +119,34 @@ def test_selective_and_a_model_that_checkpoints_itself_are_refused():
         with pytest.raises(ValueError, match="checkpoints itself already"):
             Activations(find_blocks(model), "recompute", dev)
         assert all("forward" not in vars(block) for block in find_blocks(model))  # refused: nothing changed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_streamed_llama_with_offloaded_activations_trains_like_keep():
+    """A Hugging Face Llama on a GPU that lags the host: weights streamed from pinned host memory and activations
+    offloaded train like the plain model (to the GPU's reduction order)."""
+    from helpers import keep_gpu_busy
+
+    results = []
+    for streamed in (False, True):
+        with device("cuda") as dev:
+            model = tiny("llama")
+            streamer = ParamStreamer(model, dev, prefetch=1) if streamed else None
+            if not streamed:
+                dev.place(model)
+            Activations(find_blocks(model), "offload" if streamed else "keep", dev, min_numel=256)
+            opt = OffloadAdam(model.parameters(), dev, lr=1e-2, subgroup_numel=3000, max_grad_norm=1.0,
+                              streamer=streamer)
+            for step in range(3):
+                inputs = {k: v.cuda() for k, v in batch("llama", step).items()}
+                keep_gpu_busy()
+                loss_of(model, inputs).backward()
+                keep_gpu_busy()
+                opt.step()
+                opt.zero_grad()
+            dev.synchronize()
+            results.append([m.detach().cpu().clone() for m in opt.master_weights()])
+            opt.close()
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

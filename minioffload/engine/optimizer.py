@@ -457,36 +457,16 @@ class OffloadAdam(torch.optim.Optimizer):
     # the state, read and restored (engine/state.py) -------------------------------------------------
     def master_weights(self) -> list[torch.Tensor]:
         """The fp32 master copy of each trainable parameter, in the order the optimizer holds them."""
-        self.quiesce()
-        on_disk = self.read_state("master")  # NVMe tier: copies read from the disk
-        flat = {id(sub): on_disk[id(sub)]["master"] if id(sub) in on_disk else sub.buffers.get("master")
-                for sub in self.subgroups}
-        if self.shard is not None:  # a collective: every rank calls it, and each subgroup comes from its owner
-            for index, sub in enumerate(self.subgroups):
-                flat[id(sub)] = self.shard.broadcast_host(flat[id(sub)], sub.numel, index)
-        return [slot.shaped(flat[id(slot.subgroup)]) for slot in self.packing.slots.values()]
+        return state.master_weights(self)
 
     def pinned_bytes(self) -> int:
         """The pinned host memory the optimizer holds: its subgroups' buffers, the NVMe tier's working sets and the
         gradients' sets, each storage counted once (device-held buffers left out)."""
-        tensors = [t for sub in self.subgroups for t in sub.held().values()]
-        for part in (self.nvme, self.spill):
-            tensors += [t for one in (part.sets if part is not None else []) for t in one.values()]
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
-                    if not self.dev.is_device(t)}
-        return sum(storages.values())
+        return state.pinned_bytes(self)
 
     def read_state(self, *names: str) -> dict:
         """NVMe tier: {id(subgroup): {name: a fresh host tensor read from the disk}} ({} without the tier)."""
-        if self.nvme is None:
-            return {}
-        self.nvme.drain()
-        out = {}
-        for sub in self.packing.on_cpu():
-            out[id(sub)] = {name: self.dev.host_empty(sub.numel) for name in names}
-            for name in names:
-                self.swapper.read(self.nvme.key(sub, name), into=out[id(sub)][name]).result()
-        return out
+        return state.read_state(self, *names)
 
     def state_dict(self) -> dict:
         """Hyper-parameters, loss-scale state, and per parameter (in param_groups order) its step count, fp32

@@ -1,4 +1,5 @@
-"""OffloadAdam's checkpoint: what `state_dict()` saves and how `load_state_dict()` puts it back.
+"""OffloadAdam's state, read and restored: its master weights and pinned bytes, the NVMe tier's state read back, and
+the checkpoint: what `state_dict()` saves and how `load_state_dict()` puts it back.
 
 The truth of an offloaded run is on the host (or the disk): per parameter its step count, fp32 master
 weights and moments. A checkpoint holds those (in param_groups order, as CPU tensors), the param groups'
@@ -19,11 +20,47 @@ from ..layout import STATE, Where
 from .delayed import DelayedUpdate
 
 
+def master_weights(opt) -> list:
+    """The fp32 master copy of each trainable parameter of `opt`, in the order it holds them (after its update work)."""
+    opt.quiesce()
+    on_disk = read_state(opt, "master")  # NVMe tier: copies read from the disk
+    flat = {id(sub): on_disk[id(sub)]["master"] if id(sub) in on_disk else sub.buffers.get("master")
+            for sub in opt.subgroups}
+    if opt.shard is not None:  # a collective: every rank calls it, and each subgroup comes from its owner
+        for index, sub in enumerate(opt.subgroups):
+            flat[id(sub)] = opt.shard.broadcast_host(flat[id(sub)], sub.numel, index)
+    return [slot.shaped(flat[id(slot.subgroup)]) for slot in opt.packing.slots.values()]
+
+
+def pinned_bytes(opt) -> int:
+    """The pinned host memory `opt` holds: its subgroups' buffers, the NVMe tier's working sets and the gradients'
+    sets, each storage counted once (device-held buffers left out)."""
+    tensors = [t for sub in opt.subgroups for t in sub.held().values()]
+    for part in (opt.nvme, opt.spill):
+        tensors += [t for one in (part.sets if part is not None else []) for t in one.values()]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                if not opt.dev.is_device(t)}
+    return sum(storages.values())
+
+
+def read_state(opt, *names: str) -> dict:
+    """NVMe tier: {id(subgroup): {name: a fresh host tensor read from the disk}} ({} without the tier)."""
+    if opt.nvme is None:
+        return {}
+    opt.nvme.drain()
+    out = {}
+    for sub in opt.packing.on_cpu():
+        out[id(sub)] = {name: opt.dev.host_empty(sub.numel) for name in names}
+        for name in names:
+            opt.swapper.read(opt.nvme.key(sub, name), into=out[id(sub)][name]).result()
+    return out
+
+
 def save(opt) -> dict:
     """The state of `opt` (an OffloadAdam), after its update work has finished."""
     opt.quiesce()
     packing = opt.packing
-    on_disk = opt.read_state(*STATE)
+    on_disk = read_state(opt, *STATE)
     state = {}
     for index, slot in enumerate(packing.slots.values()):
         if not packing.mine(slot.subgroup):
